@@ -1,0 +1,92 @@
+"""Ray Serve deployment that hosts one :class:`VLLMEngine` replica.
+
+Events cross from this replica to the ingress as msgpack-encoded *batches*: whatever the engine
+has produced since the ingress last pulled. When the ingress keeps up that is one event per item
+(no added latency); when it falls behind, tokens coalesce instead of queueing one Ray object
+per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from engines.config import ModelConfig
+from protocols.internal import Event, GenerateRequest, ModelInfo, Prompt, encode_events
+
+__all__ = ["VLLMDeployment", "drain_batches"]
+
+_END = object()
+
+
+async def drain_batches(events: AsyncIterator[Event]) -> AsyncIterator[list[Event]]:
+    """Re-chunk an event stream into lists of everything available when the consumer asks.
+
+    A producer task runs ahead of the consumer; cancelling or closing this generator cancels it,
+    which aborts the engine request.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def produce() -> None:
+        try:
+            async for event in events:
+                queue.put_nowait(event)
+        finally:
+            queue.put_nowait(_END)
+
+    producer = asyncio.create_task(produce())
+    try:
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            done = batch[-1] is _END
+            if done:
+                batch.pop()
+            if batch:
+                yield batch
+            if done:
+                break
+        await producer  # surfaces a producer exception instead of swallowing it
+    finally:
+        if not producer.done():
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+
+
+@serve.deployment(health_check_period_s=10, health_check_timeout_s=60)
+class VLLMDeployment:
+    """Ray Serve replica: the engine contract, with events packed as msgpack batches."""
+
+    def __init__(self, config: ModelConfig):
+        from engines.vllm_engine import VLLMEngine
+
+        self.engine = VLLMEngine(config)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
+        async for batch in drain_batches(self.engine.generate(request)):
+            yield encode_events(batch)
+
+    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        return await self.engine.tokenize(prompt)
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
+        return await self.engine.detokenize(token_ids)
+
+    async def model_info(self) -> ModelInfo:
+        return await self.engine.model_info()
+
+    async def generate_native(self, prompt: str, max_tokens: int) -> dict:
+        """vLLM's own greedy completion, bypassing the gateway (for parity checks)."""
+        return await self.engine.generate_native(prompt, max_tokens)
+
+    async def stats(self) -> dict[str, int]:
+        """In-flight and aborted request counts (used by tests and /metrics)."""
+        return {"active": len(self.engine.active), "aborted": self.engine.aborted}
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()

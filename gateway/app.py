@@ -1,0 +1,145 @@
+"""The gateway: a FastAPI app mounting every protocol, served by a Ray Serve ingress.
+
+``create_app(registry, config)`` builds the ASGI app over any engines (tests pass fakes);
+``build_app(args)`` is the ``serve run`` entry point that wires real vLLM deployments to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.config import GatewayConfig, load_config
+from gateway.metrics import MetricsMiddleware, render_metrics
+from gateway.registry import ModelRegistry
+from protocols.openai.errors import OpenAIError, error_body, error_response
+from protocols.openai.routes import router as openai_router
+
+__all__ = ["GatewayIngress", "build_app", "create_app"]
+
+log = logging.getLogger(__name__)
+
+_PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+VERSION = "0.1.0"
+
+
+class _BearerAuth:
+    """Pure ASGI middleware: ``Authorization: Bearer <key>`` on every route but the probes."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in _PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if headers.get(b"authorization") != self.expected:
+            response = JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> FastAPI:
+    config = config or GatewayConfig()
+    app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
+    app.state.registry = registry
+    app.add_middleware(MetricsMiddleware)
+    if config.api_key:
+        app.add_middleware(_BearerAuth, api_key=config.api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc.errors())), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        engines = [registry.resolve(name)[1] for name in registry.names()]
+        results = await asyncio.gather(*(e.check_health() for e in engines), return_exceptions=True)
+        failed = [n for n, r in zip(registry.names(), results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            return JSONResponse({"unhealthy": failed}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        body, content_type = render_metrics()
+        return PlainTextResponse(body, media_type=content_type)
+
+    @app.get("/gateway/engines")
+    async def engine_stats() -> dict:
+        """Per-model in-flight / aborted request counts, from the engine replicas."""
+        out = {}
+        for name in registry.names():
+            engine = registry.resolve(name)[1]
+            stats = getattr(engine, "stats", None)
+            out[name] = await stats() if stats else {}
+        return out
+
+    app.include_router(openai_router)
+    return app
+
+
+@serve.deployment
+@serve.ingress()
+class GatewayIngress:
+    """Serve ingress: the FastAPI app over one ``VLLMDeployment`` handle per model."""
+
+    def __init__(self, engines: dict[str, DeploymentHandle], config: GatewayConfig):
+        from gateway.engine_client import ServeEngineClient
+
+        self._registry = ModelRegistry({n: ServeEngineClient(h) for n, h in engines.items()})
+        self._config = config
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self._registry, self._config)
+
+
+def build_app(args: dict[str, Any] | GatewayConfig | None = None) -> serve.Application:
+    """``serve run gateway.app:build_app`` entry point (args: a :class:`GatewayConfig` mapping)."""
+    from engines.deployment import VLLMDeployment
+
+    config = load_config(args)
+    engines = {
+        model.name: VLLMDeployment.options(
+            name=f"engine-{model.name}",
+            num_replicas=model.num_replicas,
+            max_ongoing_requests=model.max_ongoing_requests,
+            ray_actor_options={"num_cpus": model.num_cpus, "num_gpus": model.num_gpus},
+        ).bind(model)
+        for model in config.models
+    }
+    return GatewayIngress.options(
+        num_replicas=config.ingress_replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+    ).bind(engines, config)

@@ -1,0 +1,40 @@
+"""The gateway's typed configuration: what ``serve run`` passes to ``build_app``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engines.config import ModelConfig
+
+__all__ = ["GatewayConfig", "load_config"]
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``models``: what to serve (default: the embedded SmolLM2). ``api_key``: when set, every
+    protocol route requires ``Authorization: Bearer <api_key>``. ``ingress_num_cpus`` and
+    ``ingress_replicas`` size the FastAPI ingress."""
+
+    models: list[ModelConfig] = msgspec.field(default_factory=lambda: [ModelConfig()])
+    api_key: str | None = None
+    ingress_replicas: int = 1
+    ingress_num_cpus: float = 0.25
+    max_ongoing_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.models]
+        if not names:
+            raise ValueError("at least one model must be configured")
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+
+
+def load_config(args: dict[str, Any] | GatewayConfig | None) -> GatewayConfig:
+    """Validate the ``args`` mapping of a Serve config (or pass a ready config through)."""
+    if isinstance(args, GatewayConfig):
+        return args
+    try:
+        return msgspec.convert(args or {}, GatewayConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid gateway config: {exc}") from None

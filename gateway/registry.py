@@ -1,0 +1,50 @@
+"""Routing by model name: which engine serves a request."""
+
+from __future__ import annotations
+
+import asyncio
+
+from protocols.internal import EngineClient, ModelInfo
+
+__all__ = ["ModelNotFound", "ModelRegistry", "ModelRequired"]
+
+
+class ModelNotFound(LookupError):
+    def __init__(self, name: str):
+        super().__init__(f"The model `{name}` does not exist.")
+        self.name = name
+
+
+class ModelRequired(LookupError):
+    def __init__(self) -> None:
+        super().__init__("`model` is required when the gateway serves more than one model.")
+
+
+class ModelRegistry:
+    """Model name → engine. With exactly one model, an omitted name means that model."""
+
+    def __init__(self, engines: dict[str, EngineClient]):
+        self._engines = dict(engines)
+        self._info: dict[str, ModelInfo] = {}
+        self._info_lock = asyncio.Lock()
+
+    def names(self) -> list[str]:
+        return list(self._engines)
+
+    def resolve(self, name: str | None) -> tuple[str, EngineClient]:
+        if not name:
+            if len(self._engines) != 1:
+                raise ModelRequired()
+            name = next(iter(self._engines))
+        engine = self._engines.get(name)
+        if engine is None:
+            raise ModelNotFound(name)
+        return name, engine
+
+    async def info(self, name: str) -> ModelInfo:
+        """Model metadata, fetched once per model (it doesn't change while serving)."""
+        if name not in self._info:
+            async with self._info_lock:
+                if name not in self._info:
+                    self._info[name] = await self._engines[name].model_info()
+        return self._info[name]

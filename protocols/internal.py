@@ -1,0 +1,258 @@
+"""The one internal request/event model every protocol translates to and from.
+
+Protocols decode their wire format into a :class:`GenerateRequest`, hand it to an
+:class:`EngineClient`, and encode the :data:`Event` stream it yields back to their wire format.
+Nothing here knows about vLLM or any wire protocol.
+
+Stream contract (what every engine yields for one request):
+
+1. at most one :class:`PromptEvent` first, when prompt token ids or prompt logprobs were asked
+   for (``OutputOptions.prompt_logprobs`` / ``echo``);
+2. :class:`TokenEvent` s, one per generated token, in order per choice ``index``;
+3. exactly one :class:`FinalEvent` per choice; the stream ends after the last choice's;
+4. or, instead of (2)/(3) or after some of them, one :class:`ErrorEvent`, which ends the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Literal, Protocol
+
+import msgspec
+
+__all__ = [
+    "ChatMessage",
+    "ChatPrompt",
+    "ControllerSpec",
+    "EngineClient",
+    "ErrorEvent",
+    "ErrorKind",
+    "Event",
+    "FinalEvent",
+    "FinishReason",
+    "GenerateRequest",
+    "ModelInfo",
+    "OutputOptions",
+    "Prompt",
+    "PromptEvent",
+    "PromptToken",
+    "Sampling",
+    "TextPrompt",
+    "Timings",
+    "TokenEvent",
+    "TokenPrompt",
+    "TopLogprob",
+    "Usage",
+    "decode_events",
+    "encode_events",
+]
+
+
+class _Frozen(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+# --- prompts ------------------------------------------------------------------------------
+
+
+class TextPrompt(_Frozen, tag="text", kw_only=True):
+    """Plain text; the engine tokenizes it (adding special tokens as the model expects)."""
+
+    text: str
+    add_special_tokens: bool = True
+
+
+class ChatMessage(_Frozen, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatPrompt(_Frozen, tag="chat", kw_only=True):
+    """Chat messages; the engine renders them with the model's chat template."""
+
+    messages: tuple[ChatMessage, ...]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class TokenPrompt(_Frozen, tag="tokens", kw_only=True):
+    """Token ids used as they are: no BOS added, no tokenizer involved (LMTP, SCORE)."""
+
+    token_ids: tuple[int, ...]
+
+
+Prompt = TextPrompt | ChatPrompt | TokenPrompt
+
+
+# --- request ------------------------------------------------------------------------------
+
+
+class Sampling(_Frozen, kw_only=True):
+    """Decoding knobs, in engine-neutral form. ``temperature == 0`` means greedy.
+
+    ``top_k == 0`` and ``top_p == 1`` mean off. ``logit_bias`` is applied at every step.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None: up to the context limit
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = {}
+    n: int = 1
+    best_of: int | None = None
+
+
+class OutputOptions(_Frozen, kw_only=True):
+    """What the protocol wants reported besides the text."""
+
+    logprobs: int | None = None  # None: no logprobs; k: sampled token plus top-k alternatives
+    prompt_logprobs: int | None = None  # None: none; k: per prompt position, plus top-k
+    echo: bool = False  # return the prompt (ids and text) in a PromptEvent
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+class ControllerSpec(_Frozen, kw_only=True):
+    """An AICI-style controller attached to the request (see shared/specs/aici.md)."""
+
+    module: str
+    arg: str = ""
+
+
+class GenerateRequest(_Frozen, kw_only=True):
+    request_id: str
+    model: str
+    prompt: Prompt
+    sampling: Sampling = Sampling()
+    output: OutputOptions = OutputOptions()
+    priority: int = 0  # lower runs first (vLLM and MindIE agree on the direction)
+    timeout_s: float | None = None  # deadline, measured from when the engine receives the request
+    controller: ControllerSpec | None = None
+
+
+# --- events -------------------------------------------------------------------------------
+
+FinishReason = Literal["eos", "stop_sequence", "length", "abort", "error"]
+ErrorKind = Literal["validation", "not_found", "overloaded", "engine"]
+
+
+class TopLogprob(_Frozen, kw_only=True):
+    token_id: int
+    text: str
+    logprob: float
+
+
+class PromptToken(_Frozen, kw_only=True):
+    token_id: int
+    text: str
+    logprob: float | None = None  # None for the first position (no context)
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+class PromptEvent(_Frozen, tag="prompt", kw_only=True):
+    """The prompt as the engine saw it: ids, text and (if asked) per-position logprobs."""
+
+    text: str
+    tokens: tuple[PromptToken, ...]
+
+
+class TokenEvent(_Frozen, tag="token", kw_only=True):
+    """One generated token. ``text`` is the text delta it completes (may be empty while the
+    detokenizer holds back an incomplete character or a possible stop string)."""
+
+    index: int = 0
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()
+    special: bool = False
+    token_text: str | None = None  # this token's own text, when logprobs were requested
+
+
+class Usage(_Frozen, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(_Frozen, kw_only=True):
+    """Seconds. ``queue_s``: admitted → scheduled; ``ttft_s``: arrival → first token;
+    ``decode_s``: first → last token."""
+
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class FinalEvent(_Frozen, tag="final", kw_only=True):
+    index: int = 0
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+    usage: Usage
+    timings: Timings = Timings()
+    text: str = ""  # trailing text flushed at the end (held-back bytes); usually empty
+
+
+class ErrorEvent(_Frozen, tag="error", kw_only=True):
+    kind: ErrorKind
+    message: str
+    param: str | None = None
+
+
+Event = PromptEvent | TokenEvent | FinalEvent | ErrorEvent
+
+
+class ModelInfo(_Frozen, kw_only=True):
+    name: str
+    root: str  # the underlying model path or id
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None = None
+    engine: str = "vllm"
+
+
+# --- the engine contract --------------------------------------------------------------------
+
+
+class EngineClient(Protocol):
+    """What a protocol may ask of a model's engine. Implemented by every engine.
+
+    ``generate`` yields the events of one request (module docstring). Cancelling the iteration
+    (client disconnect) must abort the engine request. Validation problems are reported as an
+    :class:`ErrorEvent` first, never raised, so protocols can answer with a proper status.
+    """
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]: ...
+
+    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]: ...
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str: ...
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def check_health(self) -> None: ...
+
+
+# --- wire codec between processes (engine replica ↔ ingress) -------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(list[Event])
+
+
+def encode_events(events: list[Event]) -> bytes:
+    """Pack a batch of events for crossing a process boundary (much cheaper than pickle)."""
+    return _encoder.encode(events)
+
+
+def decode_events(data: bytes) -> list[Event]:
+    return _decoder.decode(data)

@@ -1,0 +1,254 @@
+"""Internal events → OpenAI responses. Streaming encoders are pure async-generator transforms
+(events in, chunk dicts out; ``sse`` turns chunks into bytes), testable without a server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from protocols.internal import ErrorEvent, Event, FinalEvent, PromptEvent, TokenEvent
+from protocols.openai.errors import error_body, from_event
+
+__all__ = [
+    "ChunkMeta",
+    "chat_chunks",
+    "chat_response",
+    "collect",
+    "completion_chunks",
+    "completion_response",
+    "openai_finish_reason",
+    "sse",
+    "with_echo",
+]
+
+UsageMode = Literal["none", "final", "continuous"]
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    id: str
+    created: int
+    model: str
+    n: int = 1  # choices per prompt: prompt usage is counted once per prompt
+
+
+def openai_finish_reason(event: FinalEvent) -> str:
+    return {"eos": "stop", "stop_sequence": "stop"}.get(event.finish_reason, event.finish_reason)
+
+
+async def with_echo(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """Prepend the prompt text (from the PromptEvent) to each choice's first output."""
+    prompt_text: str | None = None
+    echoed: set[int] = set()
+    async for event in events:
+        if isinstance(event, PromptEvent):
+            prompt_text = event.text
+        elif prompt_text is not None and isinstance(event, (TokenEvent, FinalEvent)):
+            if event.index not in echoed:
+                echoed.add(event.index)
+                event = msgspec.structs.replace(event, text=prompt_text + event.text)
+        yield event
+
+
+class _UsageCounter:
+    def __init__(self, n: int):
+        self.n = n
+        self.prompt = 0
+        self.completion = 0
+
+    def token(self) -> None:
+        self.completion += 1
+
+    def final(self, event: FinalEvent) -> None:
+        if event.index % self.n == 0:
+            self.prompt += event.usage.prompt_tokens
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion}
+
+
+def _error_chunk(event: ErrorEvent) -> dict:
+    exc = from_event(event)
+    return error_body(exc.status, exc.message, exc.param)
+
+
+def _completion_logprobs(event: TokenEvent, offset: int) -> dict:
+    token = event.token_text or ""
+    return {
+        "tokens": [token],
+        "token_logprobs": [event.logprob],
+        "top_logprobs": [{t.text: t.logprob for t in event.top_logprobs}],
+        "text_offset": [offset],
+    }
+
+
+def _chat_logprob(event: TokenEvent) -> dict:
+    token = event.token_text or ""
+    return {
+        "token": token,
+        "logprob": event.logprob,
+        "bytes": list(token.encode()),
+        "top_logprobs": [
+            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+            for t in event.top_logprobs
+        ],
+    }
+
+
+async def completion_chunks(
+    events: AsyncIterator[Event], meta: ChunkMeta, *, logprobs: bool, usage: UsageMode
+) -> AsyncIterator[dict]:
+    """``text_completion`` chunks: one per token, one per finished choice, then usage."""
+    counter = _UsageCounter(meta.n)
+    offsets: dict[int, int] = {}
+    head = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model}
+    async for event in events:
+        if isinstance(event, ErrorEvent):
+            yield _error_chunk(event)
+            return
+        if isinstance(event, TokenEvent):
+            counter.token()
+            offset = offsets.get(event.index, 0)
+            offsets[event.index] = offset + len(event.text)
+            choice = {"index": event.index, "text": event.text,
+                      "logprobs": _completion_logprobs(event, offset) if logprobs else None,
+                      "finish_reason": None}
+        elif isinstance(event, FinalEvent):
+            counter.final(event)
+            choice = {"index": event.index, "text": event.text, "logprobs": None,
+                      "finish_reason": openai_finish_reason(event), "stop_reason": event.stop_reason}
+        else:
+            continue
+        chunk = {**head, "choices": [choice]}
+        if usage == "continuous":
+            chunk["usage"] = counter.as_dict()
+        yield chunk
+    if usage != "none":
+        yield {**head, "choices": [], "usage": counter.as_dict()}
+
+
+async def chat_chunks(
+    events: AsyncIterator[Event], meta: ChunkMeta, *, choices: int, logprobs: bool,
+    usage: UsageMode
+) -> AsyncIterator[dict]:
+    """``chat.completion.chunk`` s: a role chunk per choice, a content chunk per token, a
+    finish chunk per choice, then usage. Every chunk with choices has a ``delta``."""
+    counter = _UsageCounter(meta.n)
+    head = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
+            "model": meta.model}
+
+    def wrap(choice: dict) -> dict:
+        chunk = {**head, "choices": [choice]}
+        if usage == "continuous":
+            chunk["usage"] = counter.as_dict()
+        return chunk
+
+    started = False
+    async for event in events:
+        if isinstance(event, ErrorEvent):
+            yield _error_chunk(event)
+            return
+        if not started:  # only after the peeked first event proved the request valid
+            started = True
+            for index in range(choices):
+                yield wrap({"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+        if isinstance(event, TokenEvent):
+            counter.token()
+            yield wrap({"index": event.index, "delta": {"content": event.text},
+                        "logprobs": {"content": [_chat_logprob(event)]} if logprobs else None,
+                        "finish_reason": None})
+        elif isinstance(event, FinalEvent):
+            counter.final(event)
+            delta = {"content": event.text} if event.text else {}
+            yield wrap({"index": event.index, "delta": delta, "logprobs": None,
+                        "finish_reason": openai_finish_reason(event),
+                        "stop_reason": event.stop_reason})
+    if usage != "none":
+        yield {**head, "choices": [], "usage": counter.as_dict()}
+
+
+async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Server-sent events, ``data: <json>\\n\\n`` each, closed by ``data: [DONE]``."""
+    async for chunk in chunks:
+        yield b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenEvent] = field(default_factory=list)
+    final: FinalEvent | None = None
+
+
+@dataclass
+class Collected:
+    choices: dict[int, _Choice]
+    usage: dict
+
+
+async def collect(events: AsyncIterator[Event], n: int) -> Collected:
+    """Fold a whole event stream for a non-streaming response; an error raises OpenAIError."""
+    choices: dict[int, _Choice] = {}
+    counter = _UsageCounter(n)
+    async for event in events:
+        if isinstance(event, ErrorEvent):
+            raise from_event(event)
+        if isinstance(event, TokenEvent):
+            counter.token()
+            choice = choices.setdefault(event.index, _Choice())
+            choice.text.append(event.text)
+            choice.tokens.append(event)
+        elif isinstance(event, FinalEvent):
+            counter.final(event)
+            choice = choices.setdefault(event.index, _Choice())
+            choice.text.append(event.text)
+            choice.final = event
+    return Collected(choices=dict(sorted(choices.items())), usage=counter.as_dict())
+
+
+def _finish(choice: _Choice) -> tuple[str | None, str | int | None]:
+    if choice.final is None:
+        return None, None
+    return openai_finish_reason(choice.final), choice.final.stop_reason
+
+
+def completion_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool) -> dict:
+    out = []
+    for index, choice in collected.choices.items():
+        finish, stop_reason = _finish(choice)
+        lp = None
+        if logprobs:
+            lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            offset = 0
+            for token in choice.tokens:
+                piece = _completion_logprobs(token, offset)
+                offset += len(token.text)
+                for key in lp:
+                    lp[key].extend(piece[key])
+        out.append({"index": index, "text": "".join(choice.text), "logprobs": lp,
+                    "finish_reason": finish, "stop_reason": stop_reason})
+    return {"id": meta.id, "object": "text_completion", "created": meta.created,
+            "model": meta.model, "choices": out, "usage": collected.usage}
+
+
+def chat_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool) -> dict:
+    out = []
+    for index, choice in collected.choices.items():
+        finish, stop_reason = _finish(choice)
+        out.append({
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "logprobs": {"content": [_chat_logprob(t) for t in choice.tokens]} if logprobs else None,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        })
+    return {"id": meta.id, "object": "chat.completion", "created": meta.created,
+            "model": meta.model, "choices": out, "usage": collected.usage}
+

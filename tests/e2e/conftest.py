@@ -1,0 +1,88 @@
+"""One real gateway (Ray Serve + vLLM on the embedded model) for the whole test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+from engines.config import ModelConfig
+from engines.embedded import EMBEDDED_MODEL_NAME
+from gateway.config import GatewayConfig
+
+MODEL = EMBEDDED_MODEL_NAME
+APP_NAME = "gateway"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def gateway_url():
+    import ray
+    from ray import serve
+
+    from gateway.app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    port = _free_port()
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = GatewayConfig(models=[ModelConfig(name=MODEL)])
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("gateway did not become healthy within 600 s")
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_handle(gateway_url):
+    from ray import serve
+
+    return serve.get_deployment_handle(f"engine-{MODEL}", app_name=APP_NAME)
+
+
+@pytest.fixture(scope="session")
+def openai_client(gateway_url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def async_openai_client(gateway_url):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def http(gateway_url):
+    with httpx.Client(base_url=gateway_url, timeout=120) as client:
+        yield client

@@ -1,0 +1,256 @@
+"""OpenAI protocol end to end: openai SDK → Ray Serve ingress → vLLM replica (embedded model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL
+
+PROMPT = "The capital of France is"
+
+
+def _native(engine_handle, prompt: str, max_tokens: int) -> dict:
+    return engine_handle.generate_native.remote(prompt, max_tokens).result()
+
+
+def test_models_list_has_id_and_root(openai_client):
+    models = openai_client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].root.endswith(MODEL)  # the bench reads `root` as its default tokenizer
+    assert openai_client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_greedy_matches_vllm_native(openai_client, engine_handle):
+    native = _native(engine_handle, PROMPT, 24)
+    result = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
+                                              temperature=0)
+    assert result.choices[0].text == native["text"]
+    assert result.usage.prompt_tokens == len(native["prompt_token_ids"])
+    assert result.usage.completion_tokens == len(native["token_ids"])
+    assert "Paris" in result.choices[0].text
+
+
+def test_completion_stream_equals_non_stream_and_reports_usage(openai_client):
+    full = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+                                            temperature=0)
+    stream = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+                                              temperature=0, stream=True,
+                                              stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and
+                c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_greedy_matches_vllm_native_on_the_rendered_template(openai_client, engine_handle,
+                                                                   http):
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    rendered = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert rendered.startswith("<|im_start|>system\nYou are a helpful")  # SmolLM2's template
+    native = _native(engine_handle, rendered, 20)
+    chat = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                                 temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == native["text"]
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.usage.prompt_tokens == len(tokens)
+
+
+def test_chat_stream(openai_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                  max_completion_tokens=12, temperature=0)
+    full = openai_client.chat.completions.create(**kwargs)
+    chunks = list(openai_client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_n2_returns_two_choices(openai_client):
+    result = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=2,
+                                              temperature=1.0, seed=1234)
+    assert sorted(c.index for c in result.choices) == [0, 1]
+    assert all(c.text for c in result.choices)
+    chat = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2, seed=7)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_seed_makes_sampling_reproducible(openai_client):
+    runs = [openai_client.completions.create(model=MODEL, prompt="Once upon a time",
+                                             max_tokens=12, temperature=1.0, seed=42)
+            .choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_completion_logprobs(openai_client):
+    result = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                              temperature=0, logprobs=3)
+    lp = result.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == result.choices[0].text
+    for chosen, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0
+        assert 1 <= len(top) <= 3
+        # greedy: the chosen token is the most likely one
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-4)
+        assert top.get(chosen) == pytest.approx(logprob, abs=1e-4)
+
+
+def test_chat_logprobs(openai_client):
+    result = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=2)
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+
+
+def test_stop_string(openai_client):
+    free = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
+                                            temperature=0).choices[0].text
+    assert "." in free
+    stopped = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
+                                               temperature=0, stop=["."])
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == free.split(".")[0]
+
+
+def test_ignore_eos_and_usage_counts(openai_client, http):
+    prompt_tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
+    result = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens == 40
+    assert result.usage.prompt_tokens == prompt_tokens
+    assert result.usage.total_tokens == prompt_tokens + 40
+
+
+def test_tokenize_detokenize_round_trip(http):
+    tokens = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT,
+                                          "add_special_tokens": False}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 2048
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json() == {
+        "prompt": PROMPT}
+
+
+async def test_concurrent_streams_do_not_mix(async_openai_client):
+    prompts = [f"Count from {i}:" for i in range(6)]
+
+    async def one(prompt):
+        text = ""
+        stream = await async_openai_client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+        full = await async_openai_client.completions.create(model=MODEL, prompt=prompt,
+                                                            max_tokens=10, temperature=0)
+        return text, full.choices[0].text
+
+    for streamed, whole in await asyncio.gather(*(one(p) for p in prompts)):
+        assert streamed == whole
+
+
+def _engine_stats(http) -> dict:
+    return http.get("/gateway/engines").json()[MODEL]
+
+
+def test_client_disconnect_aborts_engine_request(gateway_url, http):
+    before = _engine_stats(http)["aborted"]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=gateway_url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    received += 1
+                if received >= 3:
+                    break
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 30
+    stats = _engine_stats(http)
+    while time.monotonic() < deadline and (stats["active"] or stats["aborted"] <= before):
+        time.sleep(0.5)
+        stats = _engine_stats(http)
+    assert stats["aborted"] == before + 1
+    assert stats["active"] == 0
+
+
+# --- bad input: OpenAI-shaped 4xx, never a 500 ----------------------------------------------
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"] and "type" in error and "param" in error
+    return error
+
+
+def test_unknown_model_is_404_via_sdk(openai_client):
+    with pytest.raises(openai.NotFoundError) as info:
+        openai_client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert info.value.status_code == 404
+    assert "no-such-model" in info.value.body["message"]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 5000}, "max_tokens"),  # beyond the 2048-token context
+])
+def test_bad_sampling_is_400_via_sdk(openai_client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.completions.create(model=MODEL, prompt=PROMPT, **kwargs)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param
+
+
+def test_bad_input_in_a_stream_is_a_status_not_a_200_stream(http):
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                  "max_tokens": 0, "stream": True})
+    _error(response, 400)
+
+
+def test_prompt_too_long_is_400(http):
+    error = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": "hello " * 3000,
+                                                      "max_tokens": 4}), 400)
+    assert "context length" in error["message"]
+
+
+def test_out_of_vocab_token_prompt_is_400(http):
+    _error(http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]}), 400)
+
+
+def test_malformed_json_and_missing_fields_are_400(http):
+    headers = {"content-type": "application/json"}
+    _error(http.post("/v1/completions", content=b'{"model": ', headers=headers), 400)
+    _error(http.post("/v1/completions", content=json.dumps({"model": MODEL}),
+                     headers=headers), 400)
+    _error(http.post("/v1/chat/completions", json={"model": MODEL}), 400)
+    _error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"}), 400)
+
+
+def test_gateway_still_serves_after_bad_requests(openai_client):
+    result = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                              temperature=0)
+    assert result.usage.completion_tokens == 3

@@ -1,0 +1,125 @@
+"""OpenAI stream encoders as pure async-generator transforms."""
+
+import json
+
+from protocols.internal import ErrorEvent, FinalEvent, PromptEvent, TokenEvent, TopLogprob, Usage
+from protocols.openai.encode import (
+    ChunkMeta,
+    chat_chunks,
+    collect,
+    completion_chunks,
+    completion_response,
+    sse,
+    with_echo,
+)
+
+META = ChunkMeta(id="cmpl-1", created=1, model="m")
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
+
+
+async def _list(agen):
+    return [x async for x in agen]
+
+
+def _tokens(text, index=0, logprobs=False):
+    return [TokenEvent(index=index, token_id=ord(c), text=c,
+                       logprob=-1.0 if logprobs else None, token_text=c if logprobs else None,
+                       top_logprobs=(TopLogprob(token_id=ord(c), text=c, logprob=-1.0),)
+                       if logprobs else ())
+            for c in text]
+
+
+def _final(index=0, reason="length", completion=2, stop_reason=None):
+    return FinalEvent(index=index, finish_reason=reason, stop_reason=stop_reason,
+                      usage=Usage(prompt_tokens=3, completion_tokens=completion))
+
+
+async def test_completion_chunks_one_per_token_then_finish_then_usage():
+    events = [*_tokens("ab"), _final()]
+    chunks = await _list(completion_chunks(_aiter(events), META, logprobs=False, usage="final"))
+    assert [c["choices"][0]["text"] for c in chunks[:2]] == ["a", "b"]
+    assert chunks[2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[3]["choices"] == []
+    assert chunks[3]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert all(c["object"] == "text_completion" and c["id"] == "cmpl-1" for c in chunks)
+
+
+async def test_completion_chunks_without_usage_have_no_usage_chunk():
+    chunks = await _list(completion_chunks(_aiter([*_tokens("a"), _final(completion=1)]), META,
+                                           logprobs=False, usage="none"))
+    assert len(chunks) == 2 and all(c["choices"] for c in chunks)
+
+
+async def test_continuous_usage_rides_every_chunk():
+    chunks = await _list(completion_chunks(_aiter([*_tokens("ab"), _final()]), META,
+                                           logprobs=False, usage="continuous"))
+    assert [c["usage"]["completion_tokens"] for c in chunks[:2]] == [1, 2]
+
+
+async def test_completion_logprobs_and_text_offsets():
+    chunks = await _list(completion_chunks(_aiter([*_tokens("ab", logprobs=True), _final()]),
+                                           META, logprobs=True, usage="none"))
+    lp = chunks[1]["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["b"], "token_logprobs": [-1.0], "top_logprobs": [{"b": -1.0}],
+                  "text_offset": [1]}
+
+
+async def test_eos_and_stop_sequence_map_to_stop():
+    for reason in ("eos", "stop_sequence"):
+        chunks = await _list(completion_chunks(_aiter([_final(reason=reason)]), META,
+                                               logprobs=False, usage="none"))
+        assert chunks[0]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_chat_chunks_role_first_every_chunk_has_delta():
+    events = [*_tokens("hi"), _final()]
+    chunks = await _list(chat_chunks(_aiter(events), META, choices=1, logprobs=False,
+                                     usage="final"))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["h", "i"]
+    assert chunks[3]["choices"][0]["finish_reason"] == "length"
+    assert all("delta" in c["choices"][0] for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+
+
+async def test_chat_logprobs_shape():
+    chunks = await _list(chat_chunks(_aiter([*_tokens("h", logprobs=True), _final()]), META,
+                                     choices=1, logprobs=True, usage="none"))
+    entry = chunks[1]["choices"][0]["logprobs"]["content"][0]
+    assert entry == {"token": "h", "logprob": -1.0, "bytes": [104],
+                     "top_logprobs": [{"token": "h", "logprob": -1.0, "bytes": [104]}]}
+
+
+async def test_midstream_error_becomes_error_chunk_and_stops():
+    events = [*_tokens("a"), ErrorEvent(kind="engine", message="boom"), *_tokens("b")]
+    chunks = await _list(completion_chunks(_aiter(events), META, logprobs=False, usage="final"))
+    assert chunks[-1] == {"error": {"message": "boom", "type": "InternalServerError",
+                                    "param": None, "code": 500}}
+    assert len(chunks) == 2
+
+
+async def test_sse_framing_and_done():
+    frames = await _list(sse(_aiter([{"a": 1}, {"b": "é"}])))
+    assert frames == [b'data: {"a": 1}\n\n', 'data: {"b": "é"}\n\n'.encode(), b"data: [DONE]\n\n"]
+    json.loads(frames[1][len(b"data: "):])
+
+
+async def test_with_echo_prefixes_each_choice_once():
+    events = [PromptEvent(text="P:", tokens=()), *_tokens("a", 0), *_tokens("b", 1),
+              *_tokens("c", 0), _final(0), _final(1)]
+    out = await _list(with_echo(_aiter(events)))
+    texts = [e.text for e in out if isinstance(e, TokenEvent)]
+    assert texts == ["P:a", "P:b", "c"]
+
+
+async def test_collect_folds_n_choices_and_counts_prompt_once_per_prompt():
+    meta = ChunkMeta(id="x", created=1, model="m", n=2)
+    events = [*_tokens("ab", 0), *_tokens("c", 1), _final(0, completion=2), _final(1, completion=1)]
+    collected = await collect(_aiter(events), n=2)
+    body = completion_response(collected, meta, logprobs=False)
+    assert [c["text"] for c in body["choices"]] == ["ab", "c"]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}

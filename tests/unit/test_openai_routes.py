@@ -1,0 +1,212 @@
+"""OpenAI routes in-process over the fake engine (httpx.ASGITransport)."""
+
+import json
+
+import pytest
+
+from protocols.internal import ChatPrompt, TextPrompt, TokenPrompt
+
+
+def _sse(text: str) -> list:
+    frames = [f for f in text.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames)
+    assert frames[-1] == "data: [DONE]"
+    return [json.loads(f[len("data: "):]) for f in frames[:-1]]
+
+
+def _assert_error(response, status, param=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+async def test_models_lists_id_and_root(client):
+    body = (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    card = body["data"][0]
+    assert card["id"] == "fake-model" and card["root"] == "/models/fake-model"
+    assert card["max_model_len"] == 64
+    assert (await client.get("/v1/models/fake-model")).json()["id"] == "fake-model"
+    _assert_error(await client.get("/v1/models/nope"), 404, "model")
+
+
+async def test_completion_non_stream(client, engine):
+    r = await client.post("/v1/completions", json={"model": "fake-model", "prompt": "Hi",
+                                                   "max_tokens": 5, "temperature": 0})
+    body = r.json()
+    assert r.status_code == 200
+    assert body["choices"][0]["text"] == "Hello"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    sent = engine.requests[-1]
+    assert sent.prompt == TextPrompt(text="Hi") and sent.sampling.temperature == 0
+    assert sent.sampling.max_tokens == 5
+
+
+async def test_completion_default_max_tokens_is_16(client, engine):
+    await client.post("/v1/completions", json={"prompt": "Hi"})  # single model: name optional
+    assert engine.requests[-1].sampling.max_tokens == 16
+
+
+async def test_completion_stream_with_usage(client):
+    r = await client.post("/v1/completions", json={
+        "model": "fake-model", "prompt": "Hi", "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = _sse(r.text)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hel"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_completion_stop_and_n(client, engine):
+    r = await client.post("/v1/completions", json={
+        "prompt": "Hi", "max_tokens": 10, "n": 2, "stop": "ll", "seed": 3})
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert all(c["text"] == "Hell" and c["finish_reason"] == "stop" for c in choices)
+    assert choices[0]["stop_reason"] == "ll"
+    assert engine.requests[-1].sampling.seed == 3
+
+
+async def test_completion_batch_prompts_and_token_ids(client, engine):
+    r = await client.post("/v1/completions", json={"prompt": [[72, 105], [72]], "max_tokens": 2})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["prompt_tokens"] == 3
+    assert {req.prompt for req in engine.requests[-2:]} == {TokenPrompt(token_ids=(72, 105)),
+                                                           TokenPrompt(token_ids=(72,))}
+
+
+async def test_completion_echo_and_logprobs(client):
+    r = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "echo": True,
+                                                   "logprobs": 1})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "HiHe"
+    assert choice["logprobs"]["token_logprobs"] == [pytest.approx(-0.1), pytest.approx(-0.2)]
+
+
+async def test_chat_non_stream_and_list_content(client, engine):
+    r = await client.post("/v1/chat/completions", json={
+        "model": "fake-model", "max_completion_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hell"}
+    assert isinstance(engine.requests[-1].prompt, ChatPrompt)
+    assert engine.requests[-1].sampling.max_tokens == 4
+
+
+async def test_chat_stream_natural_eos(client):
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "stream": True, "logprobs": True,
+        "top_logprobs": 1, "stream_options": {"include_usage": True}})
+    chunks = _sse(r.text)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello world"
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finish[0]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == len("Hello world") + 1  # + EOS
+
+
+async def test_ignore_eos_is_passed_through(client, engine):
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20,
+                                                   "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 20
+    assert engine.requests[-1].sampling.ignore_eos
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"max_tokens": 3}, None),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+])
+async def test_completion_bad_input_is_400(client, body, param):
+    _assert_error(await client.post("/v1/completions", json=body), 400, param)
+
+
+async def test_engine_validation_error_is_400_not_a_stream(client):
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 500,
+                                                   "stream": True})
+    _assert_error(r, 400, "max_tokens")
+
+
+async def test_empty_prompt_is_400(client):
+    _assert_error(await client.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
+
+
+async def test_malformed_json_and_empty_body(client):
+    _assert_error(await client.post("/v1/completions", content=b"{not json",
+                                    headers={"content-type": "application/json"}), 400)
+    _assert_error(await client.post("/v1/completions", content=b""), 400)
+    _assert_error(await client.post("/v1/chat/completions", json=[1, 2]), 400)
+
+
+async def test_unknown_model_is_404(client):
+    error = _assert_error(await client.post("/v1/completions",
+                                            json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+    assert "gpt-9" in error["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"content": "x"}]}, "messages"),
+])
+async def test_chat_bad_input_is_400(client, body, param):
+    _assert_error(await client.post("/v1/chat/completions", json=body), 400, param)
+
+
+async def test_unknown_route_is_openai_404(client):
+    _assert_error(await client.get("/v1/nothing-here"), 404)
+
+
+async def test_tokenize_detokenize_round_trip(client):
+    r = (await client.post("/tokenize", json={"prompt": "Hi!", "return_token_strs": True})).json()
+    assert r == {"count": 3, "max_model_len": 64, "tokens": [72, 105, 33],
+                 "token_strs": ["H", "i", "!"]}
+    assert (await client.post("/detokenize", json={"tokens": r["tokens"]})).json() == {
+        "prompt": "Hi!"}
+    chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "a"}]}))
+    assert chat.json()["count"] == len("<user>a<assistant>")
+    _assert_error(await client.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    _assert_error(await client.post("/tokenize", json={}), 400, "prompt")
+
+
+async def test_health_version_metrics(client):
+    assert (await client.get("/health")).status_code == 200
+    assert (await client.get("/version")).json()["version"]
+    await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    metrics = (await client.get("/metrics")).text
+    assert 'gateway_http_requests_total{path="/v1/completions",status="200"}' in metrics
+
+
+async def test_api_key_required_when_configured(engine):
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.registry import ModelRegistry
+
+    app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig(api_key="s3cret"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
+        _assert_error(await c.get("/v1/models"), 401)
+        ok = await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert (await c.get("/health")).status_code == 200
