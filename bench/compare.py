@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engines.config import DEFAULT_ENGINE_ARGS  # noqa: E402
+from engines.config import ModelConfig  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME, prepare_embedded_model  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -77,7 +77,8 @@ def _bench(label: str, port: int, model_dir: str, args) -> dict:
 
 
 def _serve_bare(model_dir: str) -> subprocess.Popen:
-    engine_args = {**DEFAULT_ENGINE_ARGS, "dtype": "bfloat16"}
+    # Exactly the engine args the gateway's replica resolves for this machine.
+    engine_args = ModelConfig().merged_engine_args()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", EMBEDDED_MODEL_NAME, "--host", "127.0.0.1",
            "--port", str(BARE_PORT)]
@@ -92,8 +93,7 @@ def _serve_gateway() -> subprocess.Popen:
         "http_options": {"host": "127.0.0.1", "port": GATEWAY_PORT},
         "applications": [{
             "name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
-            "args": {"models": [{"name": EMBEDDED_MODEL_NAME,
-                                 "engine_args": {"dtype": "bfloat16"}}]},
+            "args": {"models": [{"name": EMBEDDED_MODEL_NAME}]},
         }],
     }
     path = Path(tempfile.mkdtemp()) / "bench_serve.json"

@@ -8,7 +8,7 @@ import msgspec
 
 from engines.embedded import EMBEDDED_MODEL_NAME
 
-__all__ = ["DEFAULT_ENGINE_ARGS", "ModelConfig"]
+__all__ = ["DEFAULT_ENGINE_ARGS", "ModelConfig", "default_dtype"]
 
 # Chosen for the 2-core / CPU case and harmless on a GPU: vLLM's CPU backend sizes its KV cache
 # from gpu_memory_utilization against the NUMA node, and 0.92 fails on small nodes.
@@ -18,6 +18,22 @@ DEFAULT_ENGINE_ARGS: dict[str, Any] = {
     # MindIE/LMI send per-request priorities; vLLM rejects them unless this policy is on.
     "scheduling_policy": "priority",
 }
+
+
+def default_dtype() -> str:
+    """``float32`` on x86 CPUs without native bf16 (AVX512-BF16), else vLLM's ``auto``.
+
+    Measured on a 2-core AVX2 box with the embedded model: bf16 (emulated) gave 12.7 tok/s at 16
+    streams, fp32 69.7 tok/s. GPUs and bf16-capable CPUs keep the checkpoint's dtype.
+    """
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available() or platform.machine() not in ("x86_64", "AMD64"):
+        return "auto"
+    has_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return "auto" if has_bf16 else "float32"
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -44,4 +60,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("num_replicas must be >= 1")
 
     def merged_engine_args(self) -> dict[str, Any]:
-        return {**DEFAULT_ENGINE_ARGS, **self.engine_args}
+        """Engine args with defaults filled in (``dtype`` resolved for this machine)."""
+        args = {**DEFAULT_ENGINE_ARGS, **self.engine_args}
+        args.setdefault("dtype", default_dtype())
+        return args
