@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.config import GatewayConfig, load_config
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
+from protocols.lmtp.routes import router as lmtp_router
 from protocols.openai.errors import OpenAIError, error_body, error_response
 from protocols.openai.routes import router as openai_router
 
@@ -39,13 +40,15 @@ class _BearerAuth:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in _PUBLIC_PATHS:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in _PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if headers.get(b"authorization") != self.expected:
-            response = JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
-            return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if headers.get(b"authorization") == self.expected:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":  # refuse the upgrade (HTTP 403)
+            return await send({"type": "websocket.close", "code": 1008})
+        response = JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
+        return await response(scope, receive, send)
 
 
 def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> FastAPI:
@@ -105,7 +108,14 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
             out[name] = await stats() if stats else {}
         return out
 
+    @app.get("/")
+    async def root() -> dict:
+        """What is served here (websocket upgrades on ``/`` are LMTP)."""
+        return {"service": "llm-gateway", "version": VERSION, "models": registry.names(),
+                "protocols": {"openai": "/v1", "lmtp": "ws:///  or  ws:///lmtp"}}
+
     app.include_router(openai_router)
+    app.include_router(lmtp_router)
     return app
 
 

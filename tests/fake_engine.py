@@ -81,7 +81,9 @@ class FakeEngine:
             if request.output.echo or request.output.prompt_logprobs is not None:
                 yield PromptEvent(
                     text="".join(chr(t) for t in ids),
-                    tokens=tuple(PromptToken(token_id=t, text=chr(t)) for t in ids),
+                    tokens=tuple(PromptToken(token_id=t, text=chr(t),
+                                             logprob=None if i == 0 else -float(i))
+                                 for i, t in enumerate(ids)),
                 )
             for index in range(s.n):
                 async for event in self._choice(request, index, len(ids), max_tokens):
