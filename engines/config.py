@@ -17,6 +17,10 @@ DEFAULT_ENGINE_ARGS: dict[str, Any] = {
     "gpu_memory_utilization": 0.5,
     # MindIE/LMI send per-request priorities; vLLM rejects them unless this policy is on.
     "scheduling_policy": "priority",
+    # Logprobs of the distribution actually sampled from (after logit_bias, penalties,
+    # temperature). LMTP/LMQL needs log_softmax(logits + bias) for constrained decoding; for
+    # plain greedy requests it is identical to vLLM's default raw logprobs.
+    "logprobs_mode": "processed_logprobs",
 }
 
 

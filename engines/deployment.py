@@ -80,7 +80,7 @@ class VLLMDeployment:
     async def model_info(self) -> ModelInfo:
         return await self.engine.model_info()
 
-    async def generate_native(self, prompt: str, max_tokens: int) -> dict:
+    async def generate_native(self, prompt: str | list[int], max_tokens: int) -> dict:
         """vLLM's own greedy completion, bypassing the gateway (for parity checks)."""
         return await self.engine.generate_native(prompt, max_tokens)
 

@@ -92,19 +92,23 @@ class VLLMEngine:
         """Text of ``token_ids``; ids outside the vocabulary are the caller's to reject."""
         return self._tokenizer.decode(list(token_ids))
 
-    async def generate_native(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        """Greedy completion through vLLM's own API only (vLLM tokenizes, vLLM's defaults).
+    async def generate_native(self, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+        """Greedy completion through vLLM's own API only (vLLM tokenizes text, vLLM's defaults).
 
         Bypasses every gateway translation; parity checks compare protocol output against it.
         """
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+        native_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         final = None
-        async for output in self._llm.generate(prompt, params, f"native-{time.monotonic_ns()}"):
+        request_id = f"native-{time.monotonic_ns()}"
+        async for output in self._llm.generate(native_prompt, params, request_id):
             final = output
         choice = final.outputs[0]
         return {"text": choice.text, "token_ids": list(choice.token_ids),
+                "logprobs": [step[t].logprob for step, t in zip(choice.logprobs, choice.token_ids,
+                                                                 strict=True)],
                 "prompt_token_ids": list(final.prompt_token_ids)}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:

@@ -1,0 +1,190 @@
+"""Protocol paths on the same engine, same run: LMTP vs the OpenAI path of one gateway.
+
+Both drive identical greedy work (the same random 128-token prompts, 64 new tokens) at the same
+concurrency against an already running gateway, alternating rounds to cancel drift::
+
+    python bench/protocols.py --url http://127.0.0.1:8000 [--num-prompts 64] [--concurrency 16]
+
+Without ``--url`` it starts the gateway itself (``serve run``) and stops it afterwards.
+Throughput counts generated tokens as each protocol reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import websockets
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.compare import GATEWAY_PORT, RESULTS, _serve_gateway, _stop, _wait_healthy  # noqa: E402
+from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
+
+Runner = Callable[[list[int], int], Awaitable[tuple[int, float]]]  # → (tokens, ttft seconds)
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+
+async def _openai_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started, ttft, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and ttft is None:
+                ttft = time.perf_counter() - started
+            if chunk.get("usage") and not chunk.get("choices"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens, ttft or 0.0
+
+
+class _LMTPConnection:
+    """One websocket, requests sent one after another (like one LMQL query at a time)."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.next_id = 0
+
+    async def run(self, prompt: list[int], max_tokens: int):
+        self.next_id += 1
+        sid = self.next_id
+        started, ttft, tokens = time.perf_counter(), None, 0
+        payload = {"model": MODEL, "prompt": prompt, "stream_id": sid, "max_tokens": max_tokens,
+                   "temperature": 0.0}
+        await self.ws.send(f"GENERATE {json.dumps(payload)}")
+        while True:
+            _, _, body = (await self.ws.recv()).partition(" ")
+            for item in json.loads(body):
+                if item.get("error"):
+                    raise RuntimeError(item["error"])
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                tokens += 1
+                if item.get("finish_reason"):
+                    return tokens, ttft
+
+
+async def _drive(name: str, prompts, concurrency: int, max_tokens: int, make_runner) -> dict:
+    queue: asyncio.Queue = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    results: list[tuple[int, float]] = []
+
+    async def worker():
+        async with make_runner() as run:
+            while not queue.empty():
+                results.append(await run(queue.get_nowait(), max_tokens))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    duration = time.perf_counter() - started
+    tokens = sum(t for t, _ in results)
+    return {"protocol": name, "tokens": tokens, "seconds": duration,
+            "tok_per_s": tokens / duration,
+            "median_ttft_ms": statistics.median(f for _, f in results) * 1000}
+
+
+def _openai_runner(url: str):
+    class Ctx:
+        async def __aenter__(self):
+            self.client = httpx.AsyncClient(base_url=url, timeout=600)
+            return lambda p, m: _openai_one(self.client, p, m)
+
+        async def __aexit__(self, *exc):
+            await self.client.aclose()
+
+    return Ctx()
+
+
+def _lmtp_runner(url: str):
+    class Ctx:
+        async def __aenter__(self):
+            self.ws = await websockets.connect(url.replace("http://", "ws://") + "/",
+                                               max_size=2**24)
+            return _LMTPConnection(self.ws).run
+
+        async def __aexit__(self, *exc):
+            await self.ws.close()
+
+    return Ctx()
+
+
+async def measure(url: str, args) -> list[dict]:
+    prompts = _prompts(args.num_prompts, 128)
+    warm = _prompts(4, 128, seed=1)
+    for make in (_openai_runner, _lmtp_runner):  # warm both paths
+        await _drive("warmup", warm, 4, 8, lambda make=make: make(url))
+    rows = []
+    for _ in range(args.rounds):
+        for name, make in (("openai", _openai_runner), ("lmtp", _lmtp_runner)):
+            row = await _drive(name, prompts, args.concurrency, 64, lambda make=make: make(url))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict], args) -> str:
+    def mean(name, key):
+        return statistics.mean(r[key] for r in rows if r["protocol"] == name)
+
+    openai_tps, lmtp_tps = mean("openai", "tok_per_s"), mean("lmtp", "tok_per_s")
+    return "\n".join([
+        f"Same gateway and engine; {args.num_prompts} random 128-token prompts, 64 greedy new "
+        f"tokens, concurrency {args.concurrency}, {args.rounds} alternating rounds (means).",
+        "",
+        "| path | output tok/s | median TTFT (ms) | vs OpenAI |",
+        "|---|---|---|---|",
+        f"| OpenAI `/v1/completions` (SSE) | {openai_tps:.1f} | "
+        f"{mean('openai', 'median_ttft_ms'):.0f} | 1.000x |",
+        f"| LMTP websocket | {lmtp_tps:.1f} | {mean('lmtp', 'median_ttft_ms'):.0f} | "
+        f"{lmtp_tps / openai_tps:.3f}x |",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--url")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    proc = None
+    url = args.url
+    if url is None:
+        proc = _serve_gateway()
+        url = f"http://127.0.0.1:{GATEWAY_PORT}"
+    try:
+        if proc is not None:
+            _wait_healthy(url, proc)
+        rows = asyncio.run(measure(url, args))
+    finally:
+        if proc is not None:
+            import subprocess
+
+            _stop(proc)
+            subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    summary = summarize(rows, args)
+    (RESULTS / "protocols.md").write_text(summary + "\n")
+    print("\n" + summary)
+
+
+if __name__ == "__main__":
+    main()
