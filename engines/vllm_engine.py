@@ -112,11 +112,18 @@ class VLLMEngine:
                 "prompt_token_ids": list(final.prompt_token_ids)}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+
         try:
+            if request.controller is not None:
+                raise _Invalid("controllers are not supported by this engine yet", "controller")
             prompt_ids = self._prompt_ids(request.prompt)
             params = self._sampling_params(request, len(prompt_ids))
         except _Invalid as exc:
             yield ErrorEvent(kind="validation", message=str(exc), param=exc.param)
+            return
+        except Exception as exc:  # the tokenizer or chat template refused this prompt
+            yield ErrorEvent(kind="validation", message=f"invalid prompt: {exc}", param="prompt")
             return
         priority = request.priority if self._priority_enabled else 0
         stream = self._llm.generate(
@@ -139,8 +146,11 @@ class VLLMEngine:
             for event in translator.close("abort", stop_reason="timeout"):
                 yield event
             finished = True
-        except ValueError as exc:  # vLLM's own admission checks
+        except (ValueError, VLLMClientError) as exc:  # vLLM's own admission checks
             yield ErrorEvent(kind="validation", message=str(exc))
+            finished = True
+        except GracefulHTTPError as exc:  # queue limits: the client may retry later
+            yield ErrorEvent(kind="overloaded", message=str(exc))
             finished = True
         except Exception as exc:  # EngineDeadError and friends: the stream must still end
             log.exception("engine failure on %s", request.request_id)
@@ -237,7 +247,7 @@ class VLLMEngine:
                 spaces_between_special_tokens=out.spaces_between_special_tokens,
                 output_kind=RequestOutputKind.DELTA,
             )
-        except ValueError as exc:  # vLLM's range checks (temperature < 0, top_p > 1, ...)
+        except Exception as exc:  # vLLM's range checks (VLLMValidationError, ValueError)
             raise _Invalid(str(exc)) from exc
 
 
@@ -296,6 +306,7 @@ class _Translator:
         k = self.request.output.logprobs
         events = []
         last = len(ids) - 1
+        finishing = choice.finish_reason is not None
         for i, token_id in enumerate(ids):
             entry = choice.logprobs[i] if choice.logprobs else None
             chosen = entry.get(token_id) if entry else None
@@ -310,6 +321,7 @@ class _Translator:
                     top_logprobs=_top(entry, k),
                     special=token_id in self.special_ids,
                     token_text=chosen.decoded_token if chosen else None,
+                    last=finishing and i == last,
                 )
             )
         return events

@@ -178,6 +178,7 @@ class TokenEvent(_Frozen, tag="token", kw_only=True):
     top_logprobs: tuple[TopLogprob, ...] = ()
     special: bool = False
     token_text: str | None = None  # this token's own text, when logprobs were requested
+    last: bool = False  # the choice's FinalEvent follows immediately (no more tokens come)
 
 
 class Usage(_Frozen, kw_only=True):

@@ -104,20 +104,22 @@ class FakeEngine:
             if self.delay:
                 await asyncio.sleep(self.delay)
             if step >= len(self.reply) and not s.ignore_eos:
-                yield TokenEvent(index=index, token_id=0, text="", logprob=-0.01, special=True)
+                yield TokenEvent(index=index, token_id=0, text="", logprob=-0.01, special=True,
+                                 last=True)
                 yield self._final(index, "eos", None, prompt_len, step + 1)
                 return
             char = self.reply[step % len(self.reply)]
             text += char
             logprob = -0.1 * (step + 1)
             top = (TopLogprob(token_id=ord(char), text=char, logprob=logprob),) if k else ()
+            stop = next((x for x in s.stop if text.endswith(x)), None)
             yield TokenEvent(index=index, token_id=ord(char), text=char,
                              logprob=logprob if k is not None else None, top_logprobs=top,
-                             token_text=char if k is not None else None)
-            for stop in s.stop:
-                if text.endswith(stop):
-                    yield self._final(index, "stop_sequence", stop, prompt_len, step + 1)
-                    return
+                             token_text=char if k is not None else None,
+                             last=stop is not None or step == max_tokens - 1)
+            if stop is not None:
+                yield self._final(index, "stop_sequence", stop, prompt_len, step + 1)
+                return
         yield self._final(index, "length", None, prompt_len, max_tokens)
 
     @staticmethod

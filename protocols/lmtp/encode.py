@@ -39,8 +39,12 @@ def _token_item(stream_id: Any, event: TokenEvent) -> dict[str, Any]:
 
 
 async def generate_items(events: AsyncIterator[Event], stream_id: Any) -> AsyncIterator[dict]:
-    """GENERATE: one item per token; the last carries ``stop`` (EOS) or ``length``."""
-    pending: dict[str, Any] | None = None  # held back until we know whether it is the last
+    """GENERATE: one item per token; the last carries ``stop`` (EOS) or ``length``.
+
+    Tokens go out as they arrive; only a token flagged ``last`` waits for its FinalEvent (which
+    the engine emits right behind it) so that it can carry the finish reason.
+    """
+    pending: dict[str, Any] | None = None
     async for event in events:
         if isinstance(event, ErrorEvent):
             if pending is not None:
@@ -48,9 +52,14 @@ async def generate_items(events: AsyncIterator[Event], stream_id: Any) -> AsyncI
             yield _error(stream_id, event.message)
             return
         if isinstance(event, TokenEvent):
-            if pending is not None:
+            if pending is not None:  # a 'last' token that was not the last after all
                 yield pending
-            pending = _token_item(stream_id, event)
+                pending = None
+            item = _token_item(stream_id, event)
+            if event.last:
+                pending = item
+            else:
+                yield item
         elif isinstance(event, FinalEvent):
             if event.finish_reason in ("abort", "error") or pending is None:
                 if pending is not None:

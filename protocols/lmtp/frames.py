@@ -23,7 +23,7 @@ def parse_frame(text: str) -> tuple[str, dict[str, Any]]:
         raise FrameError(f"malformed frame: expected 'COMMAND {{json}}', got {text[:80]!r}")
     try:
         payload = json.loads(body)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # bad JSON, huge ints, absurd nesting
         raise FrameError(f"malformed JSON in {command} frame: {exc}",
                          _salvage_stream_id(body)) from None
     if not isinstance(payload, dict):
@@ -41,7 +41,7 @@ def _salvage_stream_id(body: str) -> Any:
     rest = body[at + len(marker):].lstrip().removeprefix(":").lstrip()
     try:
         value, _ = json.JSONDecoder().raw_decode(rest)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, (int, str)) and not isinstance(value, bool) else None
 

@@ -54,7 +54,11 @@ class LMTPSession:
                     break
                 text = message.get("text")
                 if text is not None:  # binary frames are not part of LMTP; ignore them
-                    self._dispatch(text)
+                    try:
+                        self._dispatch(text)
+                    except Exception as exc:  # one bad frame must not end the connection
+                        log.exception("LMTP frame handling failed")
+                        self._send("MSG", {"stream_id": None, "error": f"internal error: {exc}"})
         except WebSocketDisconnect:
             pass
         finally:

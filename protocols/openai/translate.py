@@ -50,6 +50,8 @@ def decode_body(raw: bytes, schema: type[T]) -> T:
         raise OpenAIError(400, f"invalid request: {exc}", _param_of(exc)) from None
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise OpenAIError(400, "malformed JSON body: nesting too deep") from None
 
 
 def _param_of(exc: msgspec.ValidationError) -> str | None:
@@ -70,7 +72,8 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> Sampling:
     _check(max_tokens is None or max_tokens >= 1,
            f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     temperature = 1.0 if body.temperature is None else body.temperature
-    _check(temperature >= 0, f"temperature must be >= 0, got {temperature}", "temperature")
+    _check(0 <= temperature <= 2, f"temperature must be in [0, 2], got {temperature}",
+           "temperature")
     top_p = 1.0 if body.top_p is None else body.top_p
     _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}", "top_p")
     top_k = 0 if body.top_k in (None, -1) else body.top_k

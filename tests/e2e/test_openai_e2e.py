@@ -216,6 +216,7 @@ def test_unknown_model_is_404_via_sdk(openai_client):
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -5}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
     ({"max_tokens": 5000}, "max_tokens"),  # beyond the 2048-token context
 ])
 def test_bad_sampling_is_400_via_sdk(openai_client, kwargs, param):
@@ -229,6 +230,11 @@ def test_bad_input_in_a_stream_is_a_status_not_a_200_stream(http):
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
                                                   "max_tokens": 0, "stream": True})
     _error(response, 400)
+
+
+def test_greedy_n2_refused_by_vllm_is_400_not_500(http):
+    _error(http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2,
+                                              "temperature": 0, "max_tokens": 2}), 400)
 
 
 def test_prompt_too_long_is_400(http):

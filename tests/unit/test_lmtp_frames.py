@@ -79,8 +79,8 @@ def test_score_request_scores_the_appended_tokens():
         score_request({"model": "m", "prompt": [1], "scored": []}, "r")
 
 
-def _tok(token_id, logprob=-0.5, top=()):
-    return TokenEvent(token_id=token_id, text="", logprob=logprob, top_logprobs=top)
+def _tok(token_id, logprob=-0.5, top=(), last=False):
+    return TokenEvent(token_id=token_id, text="", logprob=logprob, top_logprobs=top, last=last)
 
 
 def _final(reason):
@@ -90,17 +90,17 @@ def _final(reason):
 async def test_generate_items_exactly_once_with_finish_on_last():
     top = (TopLogprob(token_id=9, text="", logprob=-0.1), TopLogprob(token_id=5, text="",
                                                                      logprob=-0.5))
-    items = await _list(generate_items(_aiter([_tok(5, top=top), _tok(2), _final("eos")]), 3))
+    items = await _list(generate_items(_aiter([_tok(5, top=top), _tok(2, last=True), _final("eos")]), 3))
     assert [i["token"] for i in items] == [5, 2]
     assert [i["finish_reason"] for i in items] == [None, "stop"]
     assert list(items[0]["top_logprobs"]) == ["5", "9"]  # chosen first, string keys
     assert all(i["stream_id"] == 3 for i in items)
-    items = await _list(generate_items(_aiter([_tok(5), _tok(6), _final("length")]), 3))
+    items = await _list(generate_items(_aiter([_tok(5), _tok(6, last=True), _final("length")]), 3))
     assert [i["finish_reason"] for i in items] == [None, "length"]
 
 
 async def test_generate_items_never_send_non_finite():
-    items = await _list(generate_items(_aiter([_tok(5, logprob=-math.inf), _final("length")]), 1))
+    items = await _list(generate_items(_aiter([_tok(5, logprob=-math.inf, last=True), _final("length")]), 1))
     assert math.isfinite(items[0]["logprob"])
 
 
@@ -115,3 +115,21 @@ async def test_score_items_take_the_scored_slice():
     ]
     first = await _list(score_items(_aiter([prompt]), 1, 0, 1))
     assert first[0]["logprob"] == 0.0  # no context: the reference reports 0.0
+
+
+@pytest.mark.parametrize("body", ['{"stream_id": 2, "prompt": [' + "1" * 5000 + "]}",
+                                  "[" * 100_000 + "]" * 100_000])
+def test_parse_frame_survives_pathological_json(body):
+    with pytest.raises(FrameError):
+        parse_frame("GENERATE " + body)
+
+
+async def test_generate_items_stream_tokens_without_waiting_for_the_next_one():
+    async def events():
+        yield _tok(5)
+        yield _tok(6)
+        raise AssertionError("the consumer must not need to look ahead")
+
+    stream = generate_items(events(), 1)
+    assert (await anext(stream))["token"] == 5
+    assert (await anext(stream))["token"] == 6

@@ -152,3 +152,16 @@ def test_disconnect_cancels_the_connections_engine_requests():
         while len(engine.cancelled) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert len(engine.cancelled) == 2 and not engine.active
+
+
+def test_pathological_frames_do_not_close_the_connection(app_client):
+    with app_client.websocket_connect("/") as ws:
+        ws.send_text('GENERATE {"stream_id": 2, "prompt": [' + "1" * 5000 + "]}")
+        [(kind, item)] = _items(ws, 2)
+        assert kind == "TOKEN" and item["error"]
+        ws.send_text("GENERATE " + "[" * 50_000 + "]" * 50_000)
+        [(kind, item)] = _items(ws, None)
+        assert kind == "MSG" and item["error"]
+        _send(ws, "GENERATE", {"model": "fake-model", "prompt": [1], "stream_id": 3,
+                               "max_tokens": 1})
+        assert _items(ws, 3)[-1][1]["finish_reason"] == "length"

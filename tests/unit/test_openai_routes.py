@@ -210,3 +210,14 @@ async def test_api_key_required_when_configured(engine):
         ok = await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
         assert (await c.get("/health")).status_code == 200
+
+
+async def test_deeply_nested_json_is_400_not_500(client):
+    body = b'{"prompt": "x", "foo": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    _assert_error(await client.post("/v1/completions", content=body,
+                                    headers={"content-type": "application/json"}), 400)
+
+
+async def test_temperature_above_two_is_400(client):
+    _assert_error(await client.post("/v1/completions", json={"prompt": "x", "temperature": 2.5}),
+                  400, "temperature")
