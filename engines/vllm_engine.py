@@ -132,8 +132,9 @@ class VLLMEngine:
             request.request_id,
             priority=priority,
         )
-        translator = _Translator(request, prompt_ids, self._special_ids, self._tokenizer)
         self.active.add(request.request_id)
+        translator = _Translator(request, prompt_ids, self._special_ids, self._tokenizer,
+                                 batch_size=lambda: len(self.active))
         finished = False
         try:
             async with asyncio.timeout(request.timeout_s):
@@ -254,8 +255,9 @@ class VLLMEngine:
 class _Translator:
     """Turns one request's ``RequestOutput`` deltas into internal events."""
 
-    def __init__(self, request: GenerateRequest, prompt_ids, special_ids, tokenizer):
+    def __init__(self, request: GenerateRequest, prompt_ids, special_ids, tokenizer, batch_size):
         self.request = request
+        self.batch_size = batch_size
         self.prompt_ids = prompt_ids
         self.special_ids = special_ids
         self.tokenizer = tokenizer
@@ -270,7 +272,7 @@ class _Translator:
             self.want_prompt = False
             events.append(self._prompt_event(output))
         for choice in output.outputs:
-            events.extend(self._tokens(choice))
+            events.extend(self._tokens(choice, output.metrics))
             if choice.finish_reason is not None and choice.index in self.open:
                 events.append(self._final(choice.index, choice.finish_reason, choice.stop_reason,
                                           output.metrics))
@@ -298,11 +300,17 @@ class _Translator:
         text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
         return PromptEvent(text=text, tokens=tuple(tokens))
 
-    def _tokens(self, choice) -> list[TokenEvent]:
+    def _tokens(self, choice, metrics) -> list[TokenEvent]:
         ids = choice.token_ids
         if not ids:
             return []
+        first = choice.index not in self.counts
         self.counts[choice.index] = self.counts.get(choice.index, 0) + len(ids)
+        elapsed = time.monotonic() - self.started
+        batch_size = self.batch_size()
+        queue = None
+        if first:
+            queue = max(0.0, metrics.scheduled_ts - metrics.queued_ts) if metrics else 0.0
         k = self.request.output.logprobs
         events = []
         last = len(ids) - 1
@@ -322,6 +330,9 @@ class _Translator:
                     special=token_id in self.special_ids,
                     token_text=chosen.decoded_token if chosen else None,
                     last=finishing and i == last,
+                    elapsed_s=elapsed,
+                    batch_size=batch_size,
+                    queue_s=queue if i == 0 else None,
                 )
             )
         return events

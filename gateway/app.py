@@ -21,6 +21,8 @@ from gateway.config import GatewayConfig, load_config
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
 from protocols.lmtp.routes import router as lmtp_router
+from protocols.mindie.errors import MindIEError
+from protocols.mindie.routes import router as mindie_router
 from protocols.openai.errors import OpenAIError, error_body, error_response
 from protocols.openai.routes import router as openai_router
 
@@ -55,6 +57,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     config = config or GatewayConfig()
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
+    app.state.mindie_full_text = config.mindie_full_text
     app.add_middleware(MetricsMiddleware)
     if config.api_key:
         app.add_middleware(_BearerAuth, api_key=config.api_key)
@@ -62,6 +65,10 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(MindIEError)
+    async def _mindie_error(_: Request, exc: MindIEError) -> JSONResponse:
+        return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -112,10 +119,12 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     async def root() -> dict:
         """What is served here (websocket upgrades on ``/`` are LMTP)."""
         return {"service": "llm-gateway", "version": VERSION, "models": registry.names(),
-                "protocols": {"openai": "/v1", "lmtp": "ws:///  or  ws:///lmtp"}}
+                "protocols": {"openai": "/v1", "lmtp": "ws:///  or  ws:///lmtp",
+                              "mindie": "/v2/models/{model}/generate[_stream]"}}
 
     app.include_router(openai_router)
     app.include_router(lmtp_router)
+    app.include_router(mindie_router)
     return app
 
 

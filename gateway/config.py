@@ -14,13 +14,15 @@ __all__ = ["GatewayConfig", "load_config"]
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``models``: what to serve (default: the embedded SmolLM2). ``api_key``: when set, every
     protocol route requires ``Authorization: Bearer <api_key>``. ``ingress_num_cpus`` and
-    ``ingress_replicas`` size the FastAPI ingress."""
+    ``ingress_replicas`` size the FastAPI ingress. ``mindie_full_text``: MindIE's ``fullTextEnabled``."""
 
     models: list[ModelConfig] = msgspec.field(default_factory=lambda: [ModelConfig()])
     api_key: str | None = None
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
     max_ongoing_requests: int = 1024
+    # MindIE's fullTextEnabled: generate_stream events carry the cumulative text, not deltas.
+    mindie_full_text: bool = False
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]

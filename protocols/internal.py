@@ -179,6 +179,10 @@ class TokenEvent(_Frozen, tag="token", kw_only=True):
     special: bool = False
     token_text: str | None = None  # this token's own text, when logprobs were requested
     last: bool = False  # the choice's FinalEvent follows immediately (no more tokens come)
+    # Engine-side measurements, for protocols that report per-token timing (MindIE):
+    elapsed_s: float = 0.0  # since the engine received the request, when this token was produced
+    batch_size: int = 0  # requests in flight in this engine replica at that moment
+    queue_s: float | None = None  # on a choice's first token: admitted → first scheduled
 
 
 class Usage(_Frozen, kw_only=True):

@@ -116,7 +116,9 @@ class FakeEngine:
             yield TokenEvent(index=index, token_id=ord(char), text=char,
                              logprob=logprob if k is not None else None, top_logprobs=top,
                              token_text=char if k is not None else None,
-                             last=stop is not None or step == max_tokens - 1)
+                             last=stop is not None or step == max_tokens - 1,
+                             elapsed_s=0.01 * (step + 1), batch_size=len(self.active),
+                             queue_s=0.002 if step == 0 else None)
             if stop is not None:
                 yield self._final(index, "stop_sequence", stop, prompt_len, step + 1)
                 return

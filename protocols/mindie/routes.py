@@ -1,0 +1,107 @@
+"""MindIE / Triton v2 ``generate`` and ``generate_stream``, plus the KServe v2 probes clients send.
+
+The app must carry a model registry at ``app.state.registry``. Streams are peeked, so errors
+found before the first token are plain JSON with a real status, even on ``generate_stream``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from protocols.internal import EngineClient
+from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
+from protocols.mindie.errors import MindIEError, from_event
+from protocols.mindie.validate import to_request
+from protocols.streams import peek
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+def _resolve(request: Request, model: str) -> tuple[str, EngineClient]:
+    try:
+        return request.app.state.registry.resolve(model)
+    except LookupError:
+        raise MindIEError(404, f"Model {model} not found.", "NotFoundError") from None
+
+
+async def _start(request: Request, model: str):
+    try:
+        body = msgspec.json.decode(await request.body())
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise MindIEError(422, f"Invalid JSON body: {exc}", "validation") from None
+    name, engine = _resolve(request, model)
+    info = await request.app.state.registry.info(name)
+    internal, options = to_request(body, name, info.vocab_size, uuid.uuid4().hex[:16])
+    peeked = await peek(engine.generate(internal))
+    if peeked.error is not None:
+        raise from_event(peeked.error)
+    full_text = getattr(request.app.state, "mindie_full_text", False)
+    meta = ResponseMeta(id=options.id, model=model, details=options.details, full_text=full_text)
+    return meta, peeked
+
+
+@router.post("/v2/models/{model}/generate")
+async def generate(request: Request, model: str) -> JSONResponse:
+    meta, events = await _start(request, model)
+    return JSONResponse(await collect_response(aiter(events), meta))
+
+
+@router.post("/v2/models/{model}/generate_stream")
+async def generate_stream(request: Request, model: str) -> StreamingResponse:
+    meta, events = await _start(request, model)
+    return StreamingResponse(sse(stream_events(aiter(events), meta)),
+                             media_type="text/event-stream")
+
+
+@router.post("/v2/models/{model}/versions/{version}/generate")
+@router.post("/v2/models/{model}/versions/{version}/generate_stream")
+async def versioned(model: str, version: str) -> JSONResponse:
+    raise MindIEError(404, f"Model versions are not supported: send the request to "
+                      f"/v2/models/{model}/generate[_stream] without /versions/{version}.",
+                      "NotFoundError")
+
+
+@router.get("/v2/health/live")
+async def live() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/v2/health/ready")
+async def ready(request: Request) -> Response:
+    registry = request.app.state.registry
+    for name in registry.names():
+        try:
+            await registry.resolve(name)[1].check_health()
+            return Response(status_code=200)
+        except Exception:
+            continue
+    return Response(status_code=503)
+
+
+@router.get("/v2")
+async def server_metadata() -> dict:
+    return {"name": "llm-gateway", "version": "0.1.0", "extensions": ["generate"]}
+
+
+@router.get("/v2/models/{model}")
+async def model_metadata(request: Request, model: str) -> dict:
+    _resolve(request, model)
+    return {"name": model, "versions": ["1"], "platform": "vllm",
+            "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]}
+
+
+@router.get("/v2/models/{model}/ready")
+async def model_ready(request: Request, model: str) -> Response:
+    _, engine = _resolve(request, model)
+    try:
+        await engine.check_health()
+    except Exception:
+        return Response(status_code=503)
+    return Response(status_code=200)
