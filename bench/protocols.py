@@ -1,7 +1,9 @@
-"""Protocol paths on the same engine, same run: LMTP vs the OpenAI path of one gateway.
+"""Protocol paths on the same engine, same run: LMTP and MindIE vs the OpenAI path.
 
-Both drive identical greedy work (the same random 128-token prompts, 64 new tokens) at the same
-concurrency against an already running gateway, alternating rounds to cancel drift::
+All drive identical greedy work at the same concurrency against one gateway, alternating rounds
+to cancel drift: prompts are random token ids turned into text and back, so the token paths
+(OpenAI, LMTP) send exactly the ids the engine derives from the text MindIE sends; 64 new
+tokens each::
 
     python bench/protocols.py --url http://127.0.0.1:8000 [--num-prompts 64] [--concurrency 16]
 
@@ -30,16 +32,24 @@ sys.path.insert(0, str(ROOT))
 from bench.compare import GATEWAY_PORT, RESULTS, _serve_gateway, _stop, _wait_healthy  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
 
-Runner = Callable[[list[int], int], Awaitable[tuple[int, float]]]  # → (tokens, ttft seconds)
+Runner = Callable[[dict, int], Awaitable[tuple[int, float]]]  # → (tokens, ttft seconds)
 
 
-def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+def _prompts(url: str, n: int, length: int, seed: int = 0) -> list[dict]:
+    """``{"text", "ids"}`` pairs where ``ids`` is exactly how the engine tokenizes ``text``."""
     rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+    out = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for _ in range(n):
+            ids = [rng.randrange(100, 40000) for _ in range(length)]
+            text = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+            ids = client.post("/tokenize", json={"prompt": text}).json()["tokens"]
+            out.append({"text": text, "ids": ids})
+    return out
 
 
-async def _openai_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int):
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+async def _openai_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
+    body = {"model": MODEL, "prompt": prompt["ids"], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     started, ttft, tokens = time.perf_counter(), None, 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -55,6 +65,21 @@ async def _openai_one(client: httpx.AsyncClient, prompt: list[int], max_tokens: 
     return tokens, ttft or 0.0
 
 
+async def _mindie_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
+    body = {"text_input": prompt["text"],
+            "parameters": {"do_sample": False, "max_new_tokens": max_tokens, "details": True}}
+    started, ttft, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", f"/v2/models/{MODEL}/generate_stream", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            tokens = json.loads(line[5:])["details"]["generated_tokens"]
+    return tokens, ttft or 0.0
+
+
 class _LMTPConnection:
     """One websocket, requests sent one after another (like one LMQL query at a time)."""
 
@@ -62,11 +87,11 @@ class _LMTPConnection:
         self.ws = ws
         self.next_id = 0
 
-    async def run(self, prompt: list[int], max_tokens: int):
+    async def run(self, prompt: dict, max_tokens: int):
         self.next_id += 1
         sid = self.next_id
         started, ttft, tokens = time.perf_counter(), None, 0
-        payload = {"model": MODEL, "prompt": prompt, "stream_id": sid, "max_tokens": max_tokens,
+        payload = {"model": MODEL, "prompt": prompt["ids"], "stream_id": sid, "max_tokens": max_tokens,
                    "temperature": 0.0}
         await self.ws.send(f"GENERATE {json.dumps(payload)}")
         while True:
@@ -101,11 +126,11 @@ async def _drive(name: str, prompts, concurrency: int, max_tokens: int, make_run
             "median_ttft_ms": statistics.median(f for _, f in results) * 1000}
 
 
-def _openai_runner(url: str):
+def _http_runner(url: str, one):
     class Ctx:
         async def __aenter__(self):
             self.client = httpx.AsyncClient(base_url=url, timeout=600)
-            return lambda p, m: _openai_one(self.client, p, m)
+            return lambda p, m: one(self.client, p, m)
 
         async def __aexit__(self, *exc):
             await self.client.aclose()
@@ -126,14 +151,21 @@ def _lmtp_runner(url: str):
     return Ctx()
 
 
+PATHS = {
+    "openai": lambda url: _http_runner(url, _openai_one),
+    "lmtp": _lmtp_runner,
+    "mindie": lambda url: _http_runner(url, _mindie_one),
+}
+
+
 async def measure(url: str, args) -> list[dict]:
-    prompts = _prompts(args.num_prompts, 128)
-    warm = _prompts(4, 128, seed=1)
-    for make in (_openai_runner, _lmtp_runner):  # warm both paths
+    prompts = _prompts(url, args.num_prompts, 128)
+    warm = _prompts(url, 4, 128, seed=1)
+    for make in PATHS.values():  # warm every path
         await _drive("warmup", warm, 4, 8, lambda make=make: make(url))
     rows = []
     for _ in range(args.rounds):
-        for name, make in (("openai", _openai_runner), ("lmtp", _lmtp_runner)):
+        for name, make in PATHS.items():
             row = await _drive(name, prompts, args.concurrency, 64, lambda make=make: make(url))
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -144,18 +176,21 @@ def summarize(rows: list[dict], args) -> str:
     def mean(name, key):
         return statistics.mean(r[key] for r in rows if r["protocol"] == name)
 
-    openai_tps, lmtp_tps = mean("openai", "tok_per_s"), mean("lmtp", "tok_per_s")
-    return "\n".join([
+    labels = {"openai": "OpenAI `/v1/completions` (SSE)", "lmtp": "LMTP websocket",
+              "mindie": "MindIE `generate_stream` (SSE)"}
+    base = mean("openai", "tok_per_s")
+    lines = [
         f"Same gateway and engine; {args.num_prompts} random 128-token prompts, 64 greedy new "
         f"tokens, concurrency {args.concurrency}, {args.rounds} alternating rounds (means).",
         "",
         "| path | output tok/s | median TTFT (ms) | vs OpenAI |",
         "|---|---|---|---|",
-        f"| OpenAI `/v1/completions` (SSE) | {openai_tps:.1f} | "
-        f"{mean('openai', 'median_ttft_ms'):.0f} | 1.000x |",
-        f"| LMTP websocket | {lmtp_tps:.1f} | {mean('lmtp', 'median_ttft_ms'):.0f} | "
-        f"{lmtp_tps / openai_tps:.3f}x |",
-    ])
+    ]
+    for name in PATHS:
+        tps = mean(name, "tok_per_s")
+        lines.append(f"| {labels[name]} | {tps:.1f} | {mean(name, 'median_ttft_ms'):.0f} | "
+                     f"{tps / base:.3f}x |")
+    return "\n".join(lines)
 
 
 def main() -> None:
