@@ -136,7 +136,8 @@ class GatewayIngress:
     def __init__(self, engines: dict[str, DeploymentHandle], config: GatewayConfig):
         from gateway.engine_client import ServeEngineClient
 
-        self._registry = ModelRegistry({n: ServeEngineClient(h) for n, h in engines.items()})
+        self._registry = ModelRegistry({n: ServeEngineClient(h) for n, h in engines.items()},
+                                       config.aliases)
         self._config = config
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -23,6 +23,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_ongoing_requests: int = 1024
     # MindIE's fullTextEnabled: generate_stream events carry the cumulative text, not deltas.
     mindie_full_text: bool = False
+    # Extra names for served models, e.g. {"ensemble": "smollm2-135m-instruct"}.
+    aliases: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]
@@ -30,6 +32,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError("at least one model must be configured")
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+        dangling = sorted(set(self.aliases.values()) - set(names))
+        if dangling:
+            raise ValueError(f"aliases point at models that are not served: {dangling}")
 
 
 def load_config(args: dict[str, Any] | GatewayConfig | None) -> GatewayConfig:

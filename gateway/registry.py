@@ -21,10 +21,18 @@ class ModelRequired(LookupError):
 
 
 class ModelRegistry:
-    """Model name → engine. With exactly one model, an omitted name means that model."""
+    """Model name → engine. With exactly one model, an omitted name means that model.
 
-    def __init__(self, engines: dict[str, EngineClient]):
+    ``aliases`` map extra names onto served models (clients that hard-code a model name, like
+    SGLang's Triton benchmark asking for ``ensemble``); they resolve but are not listed.
+    """
+
+    def __init__(self, engines: dict[str, EngineClient], aliases: dict[str, str] | None = None):
         self._engines = dict(engines)
+        self._aliases = dict(aliases or {})
+        unknown = sorted(set(self._aliases.values()) - set(self._engines))
+        if unknown:
+            raise ValueError(f"aliases point at models that are not served: {unknown}")
         self._info: dict[str, ModelInfo] = {}
         self._info_lock = asyncio.Lock()
 
@@ -36,6 +44,7 @@ class ModelRegistry:
             if len(self._engines) != 1:
                 raise ModelRequired()
             name = next(iter(self._engines))
+        name = self._aliases.get(name, name)
         engine = self._engines.get(name)
         if engine is None:
             raise ModelNotFound(name)

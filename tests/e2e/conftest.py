@@ -42,7 +42,7 @@ def gateway_url():
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = GatewayConfig(models=[ModelConfig(name=MODEL)])
+        config = GatewayConfig(models=[ModelConfig(name=MODEL)], aliases={"ensemble": MODEL})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 600

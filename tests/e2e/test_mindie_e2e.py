@@ -113,8 +113,12 @@ def test_id_is_echoed_and_generated_when_absent(http):
 def test_triton_and_litellm_style_bodies(http):
     sglang = {"accumulate_tokens": True, "text_input": PROMPT, "temperature": 0.000001,
               "top_p": 1.0, "max_tokens": 8, "stream": True, "min_length": 8, "end_id": 1048576}
-    events = _sse(http, sglang)
-    assert events  # every line parsed as data:{json}
+    # SGLang's trt backend hard-codes the model name "ensemble" (an alias in the config)
+    events = _sse(http, sglang, "/v2/models/ensemble/generate_stream")
+    assert events and events[-1]["model_name"] == "ensemble"  # every line parsed as data:{json}
+    counted = http.post("/v2/models/ensemble/generate",
+                        json={**sglang, "parameters": {"details": True}}).json()
+    assert counted["details"]["generated_tokens"] == 8  # min_length/end_id: exactly N tokens
     litellm = {"text_input": PROMPT, "stream": False,
                "parameters": {"max_tokens": 5, "bad_words": [""], "stop_words": [""],
                               "details": True}}

@@ -244,3 +244,23 @@ async def test_route_probes(client):
     meta = (await client.get("/v2/models/fake-model")).json()
     assert meta["inputs"][0]["name"] == "text_input"
     assert "generate" in (await client.get("/v2")).json()["extensions"]
+
+
+async def test_aliases_resolve_for_hard_coded_model_names(engine):
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.registry import ModelRegistry
+
+    app = create_app(ModelRegistry({"fake-model": engine}, {"ensemble": "fake-model"}),
+                     GatewayConfig())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
+        r = await c.post("/v2/models/ensemble/generate_stream",
+                         json={"text_input": "Hi", "max_tokens": 3, "temperature": 0.000001})
+        assert r.status_code == 200 and _frames(r.text)[-1]["model_name"] == "ensemble"
+        assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["fake-model"]
+    with pytest.raises(ValueError):
+        ModelRegistry({"fake-model": engine}, {"x": "missing"})
+    with pytest.raises(ValueError):
+        GatewayConfig(aliases={"x": "missing"})
