@@ -1,9 +1,9 @@
 """Protocol paths on the same engine, same run: LMTP and MindIE vs the OpenAI path.
 
-All drive identical greedy work at the same concurrency against one gateway, alternating rounds
-to cancel drift: prompts are random token ids turned into text and back, so the token paths
-(OpenAI, LMTP) send exactly the ids the engine derives from the text MindIE sends; 64 new
-tokens each::
+All drive the same kind of greedy work at the same concurrency against one gateway, alternating
+rounds to cancel drift: prompts are random token ids turned into text and back, so the token
+paths (OpenAI, LMTP) send exactly the ids the engine derives from the text MindIE sends; 64 new
+tokens each. Each run gets fresh prompts so none of them is served from the prefix cache::
 
     python bench/protocols.py --url http://127.0.0.1:8000 [--num-prompts 64] [--concurrency 16]
 
@@ -159,13 +159,16 @@ PATHS = {
 
 
 async def measure(url: str, args) -> list[dict]:
-    prompts = _prompts(url, args.num_prompts, 128)
-    warm = _prompts(url, 4, 128, seed=1)
+    # Every (round, path) gets its own prompts (same lengths, another seed): reusing prompts
+    # would let later runs hit vLLM's prefix cache and skip their prefills.
+    seeds = iter(range(1000))
     for make in PATHS.values():  # warm every path
+        warm = _prompts(url, 4, 128, seed=next(seeds))
         await _drive("warmup", warm, 4, 8, lambda make=make: make(url))
     rows = []
     for _ in range(args.rounds):
         for name, make in PATHS.items():
+            prompts = _prompts(url, args.num_prompts, 128, seed=next(seeds))
             row = await _drive(name, prompts, args.concurrency, 64, lambda make=make: make(url))
             print(json.dumps(row), flush=True)
             rows.append(row)
