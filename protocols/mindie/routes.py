@@ -85,8 +85,9 @@ async def ready(request: Request) -> Response:
 
 
 @router.get("/v2")
-async def server_metadata() -> dict:
-    return {"name": "llm-gateway", "version": "0.1.0", "extensions": ["generate"]}
+async def server_metadata(request: Request) -> dict:
+    return {"name": request.app.title, "version": request.app.version,
+            "extensions": ["generate"]}
 
 
 @router.get("/v2/models/{model}")
