@@ -9,17 +9,11 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL
+from tests.seed_examples import MINDIE_SEED_EXAMPLE
 
 PROMPT = "The capital of France is"
 URL = f"/v2/models/{MODEL}"
-SEED_EXAMPLE = {  # the seed's request example, verbatim but for the model in the URL
-    "id": "a123",
-    "text_input": "My name is Olivier and I",
-    "parameters": {"details": True, "do_sample": True, "max_new_tokens": 20,
-                   "repetition_penalty": 1.1, "seed": 123, "temperature": 1, "top_k": 10,
-                   "top_p": 0.99, "batch_size": 100, "typical_p": 0.5, "watermark": False,
-                   "perf_stat": False, "priority": 5, "timeout": 10},
-}
+SEED_EXAMPLE = MINDIE_SEED_EXAMPLE  # verbatim (the model name is in the URL)
 
 
 def _sse(http: httpx.Client, body: dict, path: str = f"{URL}/generate_stream") -> list[dict]:

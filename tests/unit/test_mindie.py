@@ -8,17 +8,11 @@ from protocols.internal import FinalEvent, TokenEvent, Usage
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
 from protocols.mindie.errors import MindIEError
 from protocols.mindie.validate import to_request
+from tests.seed_examples import MINDIE_SEED_EXAMPLE
 
 VOCAB = 1000
 
-SEED_EXAMPLE = {  # the seed's request example, verbatim
-    "id": "a123",
-    "text_input": "My name is Olivier and I",
-    "parameters": {"details": True, "do_sample": True, "max_new_tokens": 20,
-                   "repetition_penalty": 1.1, "seed": 123, "temperature": 1, "top_k": 10,
-                   "top_p": 0.99, "batch_size": 100, "typical_p": 0.5, "watermark": False,
-                   "perf_stat": False, "priority": 5, "timeout": 10},
-}
+SEED_EXAMPLE = MINDIE_SEED_EXAMPLE  # verbatim (the model name is in the URL)
 
 
 def _req(body):
