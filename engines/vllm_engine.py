@@ -308,9 +308,7 @@ class _Translator:
         self.counts[choice.index] = self.counts.get(choice.index, 0) + len(ids)
         elapsed = time.monotonic() - self.started
         batch_size = self.batch_size()
-        queue = None
-        if first:
-            queue = max(0.0, metrics.scheduled_ts - metrics.queued_ts) if metrics else 0.0
+        queue = _queue_wait(metrics) if first else None
         k = self.request.output.logprobs
         events = []
         last = len(ids) - 1
@@ -351,12 +349,18 @@ class _Translator:
     def _timings(self, metrics) -> Timings:
         if metrics is None or not getattr(metrics, "first_token_ts", 0):
             return Timings(ttft_s=time.monotonic() - self.started)
-        queue = max(0.0, metrics.scheduled_ts - metrics.queued_ts)
         return Timings(
-            queue_s=queue,
+            queue_s=_queue_wait(metrics),
             ttft_s=metrics.first_token_latency,
             decode_s=max(0.0, metrics.last_token_ts - metrics.first_token_ts),
         )
+
+
+def _queue_wait(metrics) -> float:
+    """Seconds from admission to first scheduling (0 when vLLM reported no stats)."""
+    if metrics is None:
+        return 0.0
+    return max(0.0, metrics.scheduled_ts - metrics.queued_ts)
 
 
 def _top(entry: dict[int, Any] | None, k: int | None) -> tuple[TopLogprob, ...]:

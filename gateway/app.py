@@ -85,9 +85,11 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
 
     @app.get("/health")
     async def health() -> Response:
-        engines = [registry.resolve(name)[1] for name in registry.names()]
-        results = await asyncio.gather(*(e.check_health() for e in engines), return_exceptions=True)
-        failed = [n for n, r in zip(registry.names(), results, strict=True) if isinstance(r, BaseException)]
+        served = registry.items()
+        results = await asyncio.gather(*(e.check_health() for _, e in served),
+                                       return_exceptions=True)
+        failed = [n for (n, _), r in zip(served, results, strict=True)
+                  if isinstance(r, BaseException)]
         if failed:
             return JSONResponse({"unhealthy": failed}, status_code=503)
         return Response(status_code=200)
@@ -109,8 +111,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     async def engine_stats() -> dict:
         """Per-model in-flight / aborted request counts, from the engine replicas."""
         out = {}
-        for name in registry.names():
-            engine = registry.resolve(name)[1]
+        for name, engine in registry.items():
             stats = getattr(engine, "stats", None)
             out[name] = await stats() if stats else {}
         return out

@@ -39,6 +39,10 @@ class ModelRegistry:
     def names(self) -> list[str]:
         return list(self._engines)
 
+    def items(self) -> list[tuple[str, EngineClient]]:
+        """Served models and their engines (aliases excluded)."""
+        return list(self._engines.items())
+
     def resolve(self, name: str | None) -> tuple[str, EngineClient]:
         if not name:
             if len(self._engines) != 1:

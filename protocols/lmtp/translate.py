@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from protocols.internal import GenerateRequest, OutputOptions, Sampling, TokenPrompt
+from protocols.jsonvalues import is_int, is_number
 
 __all__ = ["LMTPError", "generate_request", "score_request"]
 
@@ -29,21 +30,13 @@ class LMTPError(ValueError):
     """Becomes a ``TOKEN [{"stream_id", "error"}]`` item for the request's stream."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _token_ids(payload: dict[str, Any], field: str) -> tuple[int, ...]:
     if field not in payload:
         raise LMTPError(f"missing field '{field}'")
     ids = payload[field]
     if not isinstance(ids, list):
         raise LMTPError(f"'{field}' must be a list of token ids")
-    if not all(_is_int(t) for t in ids):
+    if not all(is_int(t) for t in ids):
         raise LMTPError(f"'{field}' must contain only integer token ids")
     return tuple(ids)
 
@@ -59,7 +52,7 @@ def _logit_bias(raw: Any) -> dict[int, float]:
             token = int(key)
         except (TypeError, ValueError):
             raise LMTPError(f"logit_bias key {key!r} is not a token id") from None
-        if not _is_number(value):
+        if not is_number(value):
             raise LMTPError(f"logit_bias value for {key!r} must be a number")
         bias[token] = float(value)
     return bias
@@ -70,15 +63,15 @@ def generate_request(payload: dict[str, Any], request_id: str) -> GenerateReques
     if not prompt:
         raise LMTPError("'prompt' must not be empty")
     max_tokens = payload.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if not _is_int(max_tokens) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise LMTPError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
     temperature = payload.get("temperature", 0.0)
     if temperature is None:
         temperature = 0.0
-    if not _is_number(temperature) or temperature < 0:
+    if not is_number(temperature) or temperature < 0:
         raise LMTPError(f"'temperature' must be a number >= 0, got {temperature!r}")
     top_logprobs = payload.get("top_logprobs", DEFAULT_TOP_LOGPROBS)
-    if not _is_int(top_logprobs) or top_logprobs < 0:
+    if not is_int(top_logprobs) or top_logprobs < 0:
         raise LMTPError(f"'top_logprobs' must be a non-negative integer, got {top_logprobs!r}")
     extras: dict[str, Any] = {}
     for key, value in payload.items():
@@ -88,7 +81,7 @@ def generate_request(payload: dict[str, Any], request_id: str) -> GenerateReques
             raise LMTPError(f"unsupported decoder argument '{key}'")
         if value is None:
             continue
-        if not _is_number(value) or (key in ("top_k", "seed") and not _is_int(value)):
+        if not is_number(value) or (key in ("top_k", "seed") and not is_int(value)):
             raise LMTPError(f"decoder argument '{key}' must be a number, got {value!r}")
         extras[_EXTRA_ARGS[key]] = value
     if extras.get("top_k") == -1:

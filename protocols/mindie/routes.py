@@ -74,10 +74,9 @@ async def live() -> Response:
 
 @router.get("/v2/health/ready")
 async def ready(request: Request) -> Response:
-    registry = request.app.state.registry
-    for name in registry.names():
+    for _, engine in request.app.state.registry.items():
         try:
-            await registry.resolve(name)[1].check_health()
+            await engine.check_health()
             return Response(status_code=200)
         except Exception:
             continue

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocols.internal import GenerateRequest, OutputOptions, Sampling, TextPrompt
+from protocols.jsonvalues import is_int, is_number
 from protocols.mindie.errors import invalid
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "MindIEOptions", "to_request"]
@@ -35,19 +36,11 @@ class MindIEOptions:
     details: bool
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _int(params: dict, name: str, low: int, high: int, low_open: bool = False):
     value = params.get(name)
     if value is None:
         return None
-    if not _is_int(value):
+    if not is_int(value):
         raise invalid(f"Parameter {name} must be an integer, got {value!r}.")
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
@@ -60,7 +53,7 @@ def _float(params: dict, name: str, low: float, high: float | None = None,
     value = params.get(name)
     if value is None:
         return None
-    if not _is_number(value):
+    if not is_number(value):
         raise invalid(f"Parameter {name} must be a number, got {value!r}.")
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value > high):
@@ -128,7 +121,7 @@ def _merged_knobs(body: dict, params: dict) -> dict[str, Any]:
                 "ignore_eos", "min_length", "end_id", "stop_words", "bad_words"):
         if key in body:
             knobs[key] = body[key]
-    if _is_number(top_temperature):
+    if is_number(top_temperature):
         if top_temperature == 0:  # TRT-LLM semantics: greedy
             knobs["do_sample"] = False
         else:
@@ -169,7 +162,7 @@ def to_request(body: Any, model: str, vocab_size: int, fallback_id: str
     ignore_eos = _bool(knobs, "ignore_eos") or False
     min_length = _int(knobs, "min_length", 0, _INT32_MAX) or 0
     end_id = knobs.get("end_id")
-    if _is_int(end_id) and not 0 <= end_id < vocab_size:
+    if is_int(end_id) and not 0 <= end_id < vocab_size:
         ignore_eos = True  # TRT-LLM's way of asking for exactly max_tokens tokens
 
     if do_sample is None:  # absent: decided by the other knobs
