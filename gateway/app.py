@@ -20,6 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.config import GatewayConfig, load_config
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
+from protocols.lmi.errors import LMIError, TGIError
+from protocols.lmi.routes import router as lmi_router
+from protocols.lmi.tgi import router as tgi_router
 from protocols.lmtp.routes import router as lmtp_router
 from protocols.mindie.errors import MindIEError
 from protocols.mindie.routes import router as mindie_router
@@ -30,7 +33,7 @@ __all__ = ["GatewayIngress", "build_app", "create_app"]
 
 log = logging.getLogger(__name__)
 
-_PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+_PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/server/metrics"})
 VERSION = "0.1.0"
 
 
@@ -57,6 +60,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     config = config or GatewayConfig()
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
+    app.state.config = config
     app.state.mindie_full_text = config.mindie_full_text
     app.add_middleware(MetricsMiddleware)
     if config.api_key:
@@ -67,7 +71,9 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
         return error_response(exc)
 
     @app.exception_handler(MindIEError)
-    async def _mindie_error(_: Request, exc: MindIEError) -> JSONResponse:
+    @app.exception_handler(LMIError)
+    @app.exception_handler(TGIError)
+    async def _protocol_error(_: Request, exc: MindIEError | LMIError | TGIError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -95,14 +101,22 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
         return Response(status_code=200)
 
     @app.get("/ping")
-    async def ping() -> Response:
-        return await health()
+    async def ping() -> JSONResponse:
+        """SageMaker's health check: 200 when every model answers, else 500; a status map."""
+        served = registry.items()
+        results = await asyncio.gather(*(e.check_health() for _, e in served),
+                                       return_exceptions=True)
+        status = {n: "Unhealthy" if isinstance(r, BaseException) else "Healthy"
+                  for (n, _), r in zip(served, results, strict=True)}
+        healthy = all(v == "Healthy" for v in status.values())
+        return JSONResponse(status, status_code=200 if healthy else 500)
 
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
 
     @app.get("/metrics")
+    @app.get("/server/metrics")  # DJL Serving's path
     async def metrics() -> PlainTextResponse:
         body, content_type = render_metrics()
         return PlainTextResponse(body, media_type=content_type)
@@ -121,11 +135,15 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
         """What is served here (websocket upgrades on ``/`` are LMTP)."""
         return {"service": "llm-gateway", "version": VERSION, "models": registry.names(),
                 "protocols": {"openai": "/v1", "lmtp": "ws:///  or  ws:///lmtp",
-                              "mindie": "/v2/models/{model}/generate[_stream]"}}
+                              "mindie": "/v2/models/{model}/generate[_stream]",
+                              "lmi": "/invocations  /predictions/{model}",
+                              "tgi": "POST /  /generate  /generate_stream"}}
 
     app.include_router(openai_router)
     app.include_router(lmtp_router)
     app.include_router(mindie_router)
+    app.include_router(lmi_router)
+    app.include_router(tgi_router)
     return app
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -14,7 +14,8 @@ __all__ = ["GatewayConfig", "load_config"]
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``models``: what to serve (default: the embedded SmolLM2). ``api_key``: when set, every
     protocol route requires ``Authorization: Bearer <api_key>``. ``ingress_num_cpus`` and
-    ``ingress_replicas`` size the FastAPI ingress. ``mindie_full_text``: MindIE's ``fullTextEnabled``."""
+    ``ingress_replicas`` size the FastAPI ingress. The protocol options are documented where they
+    are declared."""
 
     models: list[ModelConfig] = msgspec.field(default_factory=lambda: [ModelConfig()])
     api_key: str | None = None
@@ -25,6 +26,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     mindie_full_text: bool = False
     # Extra names for served models, e.g. {"ensemble": "smollm2-135m-instruct"}.
     aliases: dict[str, str] = {}
+    # LMI's option.tgi_compat: /invocations answers in TGI's shapes (a list; SSE streams).
+    lmi_tgi_compat: bool = False
+    # LMI's option.output_formatter for streams (an Accept header naming one wins).
+    lmi_output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
+    # The model TGI's routes (/generate, /generate_stream, POST /, /info) serve; default: first.
+    tgi_model: str | None = None
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]
@@ -35,6 +42,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         dangling = sorted(set(self.aliases.values()) - set(names))
         if dangling:
             raise ValueError(f"aliases point at models that are not served: {dangling}")
+        if self.tgi_model is not None and self.tgi_model not in {*names, *self.aliases}:
+            raise ValueError(f"tgi_model {self.tgi_model!r} is not a served model or alias")
 
 
 def load_config(args: dict[str, Any] | GatewayConfig | None) -> GatewayConfig:

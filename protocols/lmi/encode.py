@@ -1,0 +1,366 @@
+"""Internal events → LMI and TGI response objects, and their stream framings.
+
+Two writers share one set of transforms: :class:`LMIWriter` (the seed's rolling-batch shapes:
+``log_prob``, ``special_token`` only when true, ``details.inputs``) and :class:`TGIWriter` (TGI's
+``GenerateResponse`` / ``StreamResponse``: ``logprob``, ``special`` always, ``seed``, ``prefill``,
+``index``; with ``inputs`` added in LMI's TGI-compatible mode). ``stream_objects`` and
+``dynamic_lines`` are pure async-generator transforms; ``jsonlines`` and ``sse`` frame them.
+
+A token's ``text`` is the text it completes (incremental detokenization, as TGI does), so the
+texts of the non-special tokens concatenate to ``generated_text``; a special token that adds no
+text reports its own piece (``<|im_end|>``) instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from protocols.internal import ErrorEvent, Event, FinalEvent, PromptEvent, PromptToken, TokenEvent
+
+__all__ = ["GenerationFailed", "LMIWriter", "ResponseMeta", "SequenceResult", "TGIWriter",
+           "best_sequence", "collect", "dynamic_lines", "finish_reason", "jsonlines", "response_body", "sse",
+           "stream_objects"]
+
+_FINISH = {"eos": "eos_token", "length": "length", "stop_sequence": "stop_sequence"}
+_encode = msgspec.json.Encoder().encode  # writes NaN / infinity as null, never as bare tokens
+
+
+def finish_reason(event: FinalEvent) -> str:
+    return _FINISH.get(event.finish_reason, "error")
+
+
+class GenerationFailed(Exception):
+    """The engine refused or failed the request; ``event`` says how (routes pick the status)."""
+
+    def __init__(self, event: ErrorEvent):
+        super().__init__(event.message)
+        self.event = event
+
+
+def _failed(final: FinalEvent) -> ErrorEvent:
+    why = "timed out" if final.stop_reason == "timeout" else "was aborted"
+    return ErrorEvent(kind="engine", message=f"generation {why} before it finished")
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    inputs: str  # the prompt as sent
+    details: bool
+    return_full_text: bool = False
+    prefill: bool = False
+    top_n_tokens: int = 0
+    seed: int | None = None
+    eos_token_id: int | None = None  # marks `special` on top alternatives
+
+    @property
+    def prefix(self) -> str:
+        return self.inputs if self.return_full_text else ""
+
+
+@dataclass
+class SequenceResult:
+    """One finished sequence of a non-streamed request."""
+
+    index: int
+    tokens: list[TokenEvent] = field(default_factory=list)
+    text: str = ""
+    final: FinalEvent | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(t.logprob or 0.0 for t in self.tokens)
+
+
+def _logprob(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _token_text(event: TokenEvent, extra: str = "") -> str:
+    if event.special and not event.text and not extra:
+        return event.token_text or ""
+    return event.text + extra
+
+
+class LMIWriter:
+    """The seed's rolling-batch schema."""
+
+    def token(self, event: TokenEvent, text: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": event.token_id, "text": text,
+                               "log_prob": _logprob(event.logprob)}
+        if event.special:
+            out["special_token"] = True
+        return out
+
+    def prompt_token(self, token: PromptToken) -> dict[str, Any]:
+        return {"id": token.token_id, "text": token.text, "log_prob": _logprob(token.logprob)}
+
+    def top_tokens(self, event: TokenEvent, meta: ResponseMeta) -> list[dict[str, Any]]:
+        return [{"id": t.token_id, "text": t.text, "log_prob": _logprob(t.logprob)}
+                for t in event.top_logprobs]
+
+    def step(self, position: int, token: dict, top: list | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"token": token}
+        if top is not None:
+            out["top_tokens"] = top
+        return out
+
+    def last(self, step: dict, generated_text: str, details: dict | None) -> dict[str, Any]:
+        step["generated_text"] = generated_text
+        if details is not None:
+            step["details"] = details
+        return step
+
+    def stream_details(self, final: FinalEvent, meta: ResponseMeta, prompt: PromptEvent | None):
+        details: dict[str, Any] = {"finish_reason": finish_reason(final),
+                                   "generated_tokens": final.usage.completion_tokens,
+                                   "inputs": meta.inputs}
+        if meta.prefill and prompt is not None:
+            details["prefill"] = [self.prompt_token(t) for t in prompt.tokens]
+        return details
+
+    def details(self, seq: SequenceResult, meta: ResponseMeta, prompt: PromptEvent | None):
+        assert seq.final is not None
+        details: dict[str, Any] = {"finish_reason": finish_reason(seq.final),
+                                   "generated_tokens": seq.final.usage.completion_tokens,
+                                   "inputs": meta.inputs,
+                                   "tokens": [self.token(t, _token_text(t)) for t in seq.tokens]}
+        self._extras(details, seq, meta, prompt)
+        return details
+
+    def _extras(self, details: dict, seq: SequenceResult, meta: ResponseMeta,
+                prompt: PromptEvent | None) -> None:
+        if meta.prefill:
+            details["prefill"] = [self.prompt_token(t) for t in prompt.tokens] if prompt else []
+        if meta.top_n_tokens:
+            details["top_tokens"] = [self.top_tokens(t, meta) for t in seq.tokens]
+
+    def best_of(self, seq: SequenceResult, meta: ResponseMeta, prompt: PromptEvent | None):
+        assert seq.final is not None
+        out: dict[str, Any] = {"generated_text": meta.prefix + seq.text,
+                               "finish_reason": finish_reason(seq.final),
+                               "generated_tokens": seq.final.usage.completion_tokens,
+                               "tokens": [self.token(t, _token_text(t)) for t in seq.tokens]}
+        self._extras(out, seq, meta, prompt)
+        return out
+
+    def stream_error(self, message: str) -> dict[str, Any]:
+        return {"token": {"id": -1, "text": "", "log_prob": -1, "special_token": True,
+                          "error_msg": message},
+                "generated_text": "",
+                "details": {"finish_reason": "error", "generated_tokens": None, "inputs": None}}
+
+
+class TGIWriter(LMIWriter):
+    """TGI's schema. ``with_inputs``: LMI's TGI-compatible mode also reports ``details.inputs``."""
+
+    def __init__(self, with_inputs: bool = False):
+        self.with_inputs = with_inputs
+
+    def token(self, event: TokenEvent, text: str) -> dict[str, Any]:
+        return {"id": event.token_id, "text": text, "logprob": _logprob(event.logprob),
+                "special": event.special}
+
+    def prompt_token(self, token: PromptToken) -> dict[str, Any]:
+        return {"id": token.token_id, "text": token.text, "logprob": _logprob(token.logprob)}
+
+    def top_tokens(self, event: TokenEvent, meta: ResponseMeta) -> list[dict[str, Any]]:
+        return [{"id": t.token_id, "text": t.text, "logprob": _logprob(t.logprob),
+                 "special": t.token_id == meta.eos_token_id} for t in event.top_logprobs]
+
+    def step(self, position: int, token: dict, top: list | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": position, "token": token}
+        if top is not None:
+            out["top_tokens"] = top
+        out.update(generated_text=None, details=None)
+        return out
+
+    def last(self, step: dict, generated_text: str, details: dict | None) -> dict[str, Any]:
+        step.update(generated_text=generated_text, details=details)
+        return step
+
+    def stream_details(self, final: FinalEvent, meta: ResponseMeta, prompt: PromptEvent | None):
+        details: dict[str, Any] = {"finish_reason": finish_reason(final),
+                                   "generated_tokens": final.usage.completion_tokens,
+                                   "seed": meta.seed, "input_length": final.usage.prompt_tokens}
+        if self.with_inputs:
+            details["inputs"] = meta.inputs
+        return details
+
+    def details(self, seq: SequenceResult, meta: ResponseMeta, prompt: PromptEvent | None):
+        details = self._sequence(seq, meta, prompt)
+        if self.with_inputs:
+            details["inputs"] = meta.inputs
+        return details
+
+    def _sequence(self, seq: SequenceResult, meta: ResponseMeta, prompt: PromptEvent | None):
+        assert seq.final is not None
+        out: dict[str, Any] = {
+            "finish_reason": finish_reason(seq.final),
+            "generated_tokens": seq.final.usage.completion_tokens,
+            "seed": meta.seed,
+            # TGI always sends the list; it is empty unless decoder_input_details was asked for.
+            "prefill": [self.prompt_token(t) for t in prompt.tokens] if prompt else [],
+            "tokens": [self.token(t, _token_text(t)) for t in seq.tokens],
+        }
+        if meta.top_n_tokens:
+            out["top_tokens"] = [self.top_tokens(t, meta) for t in seq.tokens]
+        return out
+
+    def best_of(self, seq: SequenceResult, meta: ResponseMeta, prompt: PromptEvent | None):
+        return {"generated_text": meta.prefix + seq.text, **self._sequence(seq, meta, prompt)}
+
+    def stream_error(self, message: str) -> dict[str, Any]:
+        return {"error": message, "error_type": "generation"}
+
+
+async def stream_objects(events: AsyncIterator[Event], meta: ResponseMeta,
+                         writer: LMIWriter) -> AsyncIterator[dict[str, Any]]:
+    """One object per generated token; the last also carries ``generated_text`` (and ``details``
+    when asked). The token before a :class:`FinalEvent` is held until the final arrives, so
+    text the detokenizer flushes at the end still lands in that token."""
+    prompt: PromptEvent | None = None
+    parts: list[str] = [meta.prefix]
+    position = 0
+    held: TokenEvent | None = None
+    sent: TokenEvent | None = None
+
+    def step(event: TokenEvent, text: str) -> dict[str, Any]:
+        top = writer.top_tokens(event, meta) if meta.top_n_tokens else None
+        return writer.step(position, writer.token(event, text), top)
+
+    async for event in events:
+        if isinstance(event, PromptEvent):
+            prompt = event
+        elif isinstance(event, ErrorEvent):
+            yield writer.stream_error(event.message)
+            return
+        elif isinstance(event, TokenEvent):
+            parts.append(event.text)
+            if event.last:
+                held = event
+                continue
+            yield step(event, _token_text(event))
+            sent = event
+            position += 1
+        elif isinstance(event, FinalEvent):
+            if event.finish_reason in ("abort", "error"):
+                yield writer.stream_error(_failed(event).message)
+                return
+            parts.append(event.text)
+            last = held or sent
+            if last is None:  # the engine contract guarantees a token first; be safe anyway
+                yield writer.stream_error("the engine finished without generating a token")
+                return
+            # Without a held token (not expected from the engines) the flushed text rides on a
+            # repeat of the last token's id with no text of its own.
+            text = _token_text(held, event.text) if held else event.text
+            details = writer.stream_details(event, meta, prompt) if meta.details else None
+            yield writer.last(step(last, text), "".join(parts), details)
+            return
+
+
+async def collect(events: AsyncIterator[Event]) -> tuple[PromptEvent | None, list[SequenceResult]]:
+    """Gather a non-streamed request. Raises :class:`GenerationFailed` on any failure."""
+    prompt: PromptEvent | None = None
+    sequences: dict[int, SequenceResult] = {}
+    async for event in events:
+        if isinstance(event, PromptEvent):
+            prompt = event
+        elif isinstance(event, ErrorEvent):
+            raise GenerationFailed(event)
+        elif isinstance(event, TokenEvent):
+            seq = sequences.setdefault(event.index, SequenceResult(event.index))
+            seq.tokens.append(event)
+            seq.text += event.text
+        elif isinstance(event, FinalEvent):
+            if event.finish_reason in ("abort", "error"):
+                raise GenerationFailed(_failed(event))
+            seq = sequences.setdefault(event.index, SequenceResult(event.index))
+            seq.text += event.text
+            seq.final = event
+    done = [s for _, s in sorted(sequences.items()) if s.final is not None]
+    if not done:
+        raise GenerationFailed(ErrorEvent(kind="engine", message="the engine returned no output"))
+    return prompt, done
+
+
+def best_sequence(sequences: Sequence[SequenceResult]) -> SequenceResult:
+    """The most likely sequence (highest cumulative logprob; ties: the first)."""
+    return max(sequences, key=lambda s: (s.cumulative_logprob, -s.index))
+
+
+def response_body(prompt: PromptEvent | None, sequences: Sequence[SequenceResult],
+                  meta: ResponseMeta, writer: LMIWriter) -> dict[str, Any]:
+    """``{"generated_text", "details"?}``: the most likely sequence on top (ties: the first),
+    the others in ``details.best_of_sequences``."""
+    best = best_sequence(sequences)
+    body: dict[str, Any] = {"generated_text": meta.prefix + best.text}
+    if meta.details:
+        details = writer.details(best, meta, prompt)
+        if len(sequences) > 1:
+            details["best_of_sequences"] = [writer.best_of(s, meta, prompt)
+                                            for s in sequences if s is not best]
+        body["details"] = details
+    return body
+
+
+async def _texts(events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    """Per generated token, the text it completes (the final flush joins the last token)."""
+    held: str | None = None
+    async for event in events:
+        if isinstance(event, ErrorEvent):
+            raise GenerationFailed(event)
+        if isinstance(event, TokenEvent):
+            if held is not None:
+                yield held
+            held = event.text
+        elif isinstance(event, FinalEvent):
+            if event.finish_reason in ("abort", "error"):
+                raise GenerationFailed(_failed(event))
+            yield (held or "") + event.text
+            return
+
+
+async def dynamic_lines(streams: Sequence[AsyncIterator[Event]]) -> AsyncIterator[dict[str, Any]]:
+    """Dynamic-batch streaming: per step ``{"outputs": [text per input]}``, in input order
+    (``""`` for inputs that already finished). Raises :class:`GenerationFailed`."""
+    texts = [_texts(s) for s in streams]
+    open_ = [True] * len(texts)
+
+    async def next_text(i: int) -> str | None:
+        if not open_[i]:
+            return None
+        try:
+            return await anext(texts[i])
+        except StopAsyncIteration:
+            open_[i] = False
+            return None
+
+    try:
+        while True:
+            step = await asyncio.gather(*(next_text(i) for i in range(len(texts))))
+            if all(t is None for t in step):
+                return
+            yield {"outputs": [t or "" for t in step]}
+    finally:
+        await asyncio.gather(*(t.aclose() for t in texts), return_exceptions=True)
+
+
+async def jsonlines(objects: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """``application/jsonlines``: one JSON object per line, no prefix, no terminator."""
+    async for obj in objects:
+        yield _encode(obj) + b"\n"
+
+
+async def sse(objects: AsyncIterator[dict[str, Any]], *, space: bool) -> AsyncIterator[bytes]:
+    """Server-sent events without ``[DONE]`` or comments: ``data: `` for LMI (DJL's writer),
+    ``data:`` with no space for TGI."""
+    prefix = b"data: " if space else b"data:"
+    async for obj in objects:
+        yield prefix + _encode(obj) + b"\n\n"

@@ -1,0 +1,137 @@
+"""Hugging Face TGI's own routes, so TGI clients work unmodified: ``POST /generate``,
+``POST /generate_stream``, the root ``POST /`` (which the strict ``text-generation`` client
+calls with the bare server URL; websocket upgrades on ``/`` stay LMTP) and ``GET /info``.
+
+They serve one model: ``GatewayConfig.tgi_model``, or the first configured model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from protocols.internal import EngineClient
+from protocols.lmi.encode import (
+    GenerationFailed,
+    ResponseMeta,
+    SequenceResult,
+    TGIWriter,
+    best_sequence,
+    collect,
+    response_body,
+    sse,
+    stream_objects,
+)
+from protocols.lmi.errors import TGIError, tgi_from_event, tgi_invalid
+from protocols.lmi.params import TGI, InvalidParameters, parse_body, parse_parameters
+from protocols.lmi.routes import start_generation
+from protocols.streams import Peeked
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_WRITER = TGIWriter()
+_STREAM_HEADERS = {"Cache-Control": "no-cache"}
+
+
+def _model(request: Request) -> tuple[str, EngineClient]:
+    registry = request.app.state.registry
+    name = request.app.state.config.tgi_model or registry.names()[0]
+    try:
+        return registry.resolve(name)
+    except LookupError:
+        raise TGIError(404, f"Model {name} is not served.", "not_found") from None
+
+
+async def _start(request: Request, stream: bool | None) -> tuple[Peeked, ResponseMeta, bool]:
+    """Validate and submit; ``stream`` None means "as the body says" (the root route)."""
+    try:
+        body = msgspec.json.decode(await request.body())
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise tgi_invalid(f"invalid JSON body: {exc}") from None
+    name, engine = _model(request)
+    try:
+        inputs, params, body_stream = parse_body(body, allow_list=False)
+        stream = bool(body_stream) if stream is None else stream
+        gen = parse_parameters(params, TGI, stream=stream)
+    except InvalidParameters as exc:
+        raise tgi_invalid(str(exc)) from None
+    assert isinstance(inputs, str)
+    info = await request.app.state.registry.info(name)
+    meta = ResponseMeta(inputs=inputs, details=gen.details, return_full_text=gen.return_full_text,
+                        prefill=gen.prefill, top_n_tokens=gen.top_n_tokens, seed=gen.seed,
+                        eos_token_id=info.eos_token_id)
+    try:
+        peeked = await start_generation(engine, name, inputs, gen)
+    except GenerationFailed as exc:
+        raise tgi_from_event(exc.event) from None
+    return peeked, meta, stream
+
+
+def _stream(peeked: Peeked, meta: ResponseMeta) -> StreamingResponse:
+    # TGI streams always end with details, whatever `details` says.
+    meta = ResponseMeta(**{**meta.__dict__, "details": True})
+    return StreamingResponse(sse(stream_objects(aiter(peeked), meta, _WRITER), space=False),
+                             media_type="text/event-stream", headers=_STREAM_HEADERS)
+
+
+def _timing_headers(best: SequenceResult, started: float) -> dict[str, str]:
+    """TGI's optional per-request headers (milliseconds)."""
+    final = best.final
+    assert final is not None
+    total_ms = (time.monotonic() - started) * 1000
+    queue_ms = final.timings.queue_s * 1000
+    generated = final.usage.completion_tokens
+    return {"x-compute-type": "vllm", "x-total-time": str(round(total_ms)),
+            "x-queue-time": str(round(queue_ms)),
+            "x-inference-time": str(round(max(0.0, total_ms - queue_ms))),
+            "x-time-per-token": str(round(max(0.0, total_ms - queue_ms) / max(generated, 1))),
+            "x-prompt-tokens": str(final.usage.prompt_tokens),
+            "x-generated-tokens": str(generated)}
+
+
+async def _generate(request: Request, wrap: bool) -> JSONResponse:
+    started = time.monotonic()
+    peeked, meta, stream = await _start(request, False if not wrap else None)
+    if stream:
+        return _stream(peeked, meta)  # type: ignore[return-value]
+    try:
+        prompt, sequences = await collect(aiter(peeked))
+    except GenerationFailed as exc:
+        raise tgi_from_event(exc.event) from None
+    out = response_body(prompt, sequences, meta, _WRITER)
+    best = best_sequence(sequences)
+    return JSONResponse([out] if wrap else out, headers=_timing_headers(best, started))
+
+
+@router.post("/generate")
+async def generate(request: Request) -> JSONResponse:
+    return await _generate(request, wrap=False)
+
+
+@router.post("/")
+async def compat_generate(request: Request) -> JSONResponse:
+    """TGI's root route: a one-element JSON list, or the SSE stream when ``stream`` is true."""
+    return await _generate(request, wrap=True)
+
+
+@router.post("/generate_stream")
+async def generate_stream(request: Request) -> StreamingResponse:
+    peeked, meta, _ = await _start(request, True)
+    return _stream(peeked, meta)
+
+
+@router.get("/info")
+async def info(request: Request) -> dict:
+    name, _ = _model(request)
+    model = await request.app.state.registry.info(name)
+    return {"model_id": name, "model_sha": None, "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": request.app.state.config.max_ongoing_requests,
+            "max_best_of": TGI.max_best_of, "max_stop_sequences": TGI.max_stop_sequences,
+            "max_input_tokens": model.max_model_len - 1, "max_total_tokens": model.max_model_len,
+            "max_top_n_tokens": TGI.max_top_n_tokens, "router": "llm-gateway",
+            "version": request.app.version, "sha": None, "docker_label": None}
