@@ -1,8 +1,8 @@
-"""Protocol paths on the same engine, same run: LMTP and MindIE vs the OpenAI path.
+"""Protocol paths on the same engine, same run: LMTP, MindIE, LMI and TGI vs the OpenAI path.
 
 All drive the same kind of greedy work at the same concurrency against one gateway, alternating
 rounds to cancel drift: prompts are random token ids turned into text and back, so the token
-paths (OpenAI, LMTP) send exactly the ids the engine derives from the text MindIE sends; 64 new
+paths (OpenAI, LMTP) send exactly the ids the engine derives from the text the others send; 64 new
 tokens each. Each run gets fresh prompts so none of them is served from the prefix cache::
 
     python bench/protocols.py --url http://127.0.0.1:8000 [--num-prompts 64] [--concurrency 16]
@@ -77,6 +77,40 @@ async def _mindie_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
             if ttft is None:
                 ttft = time.perf_counter() - started
             tokens = json.loads(line[5:])["details"]["generated_tokens"]
+    return tokens, ttft or 0.0
+
+
+async def _lmi_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
+    """LMI rolling batch, JSON lines (the SageMaker default stream)."""
+    body = {"inputs": prompt["text"], "stream": True,
+            "parameters": {"do_sample": False, "max_new_tokens": max_tokens, "details": True}}
+    started, ttft, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", f"/predictions/{MODEL}", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line:
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            item = json.loads(line)
+            if "details" in item:
+                tokens = item["details"]["generated_tokens"]
+    return tokens, ttft or 0.0
+
+
+async def _tgi_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
+    body = {"inputs": prompt["text"], "parameters": {"max_new_tokens": max_tokens}}
+    started, ttft, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", "/generate_stream", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            details = json.loads(line[5:])["details"]
+            if details:
+                tokens = details["generated_tokens"]
     return tokens, ttft or 0.0
 
 
@@ -155,6 +189,8 @@ PATHS = {
     "openai": lambda url: _http_runner(url, _openai_one),
     "lmtp": _lmtp_runner,
     "mindie": lambda url: _http_runner(url, _mindie_one),
+    "lmi": lambda url: _http_runner(url, _lmi_one),
+    "tgi": lambda url: _http_runner(url, _tgi_one),
 }
 
 
@@ -180,7 +216,8 @@ def summarize(rows: list[dict], args) -> str:
         return statistics.mean(r[key] for r in rows if r["protocol"] == name)
 
     labels = {"openai": "OpenAI `/v1/completions` (SSE)", "lmtp": "LMTP websocket",
-              "mindie": "MindIE `generate_stream` (SSE)"}
+              "mindie": "MindIE `generate_stream` (SSE)",
+              "lmi": "LMI `/predictions` (JSON lines)", "tgi": "TGI `/generate_stream` (SSE)"}
     base = mean("openai", "tok_per_s")
     lines = [
         f"Same gateway and engine; {args.num_prompts} random 128-token prompts, 64 greedy new "
