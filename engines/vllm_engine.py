@@ -263,6 +263,9 @@ class _Translator:
         self.tokenizer = tokenizer
         self.want_prompt = request.output.echo or request.output.prompt_logprobs is not None
         self.counts: dict[int, int] = {}
+        # Per choice: [ids, prefix_offset, read_offset] for incremental detokenization, only
+        # when stop strings make vLLM's text deltas lag behind the tokens (TokenEvent.piece).
+        self.pieces: dict[int, list] | None = {} if request.sampling.stop else None
         self.open: set[int] = set(range(request.sampling.n))
         self.started = time.monotonic()
 
@@ -327,6 +330,8 @@ class _Translator:
                     top_logprobs=_top(entry, k),
                     special=token_id in self.special_ids,
                     token_text=chosen.decoded_token if chosen else None,
+                    piece=self._piece(choice.index, token_id) if self.pieces is not None
+                    else None,
                     last=finishing and i == last,
                     elapsed_s=elapsed,
                     batch_size=batch_size,
@@ -334,6 +339,25 @@ class _Translator:
                 )
             )
         return events
+
+    def _piece(self, index: int, token_id: int) -> str:
+        """The text ``token_id`` adds after the tokens before it, decoded in a short window that
+        starts in the prompt's tail (so tokenizers that drop a leading space on the first
+        token still see context), as TGI's and vLLM's detokenizers do."""
+        assert self.pieces is not None
+        state = self.pieces.get(index)
+        if state is None:
+            tail = list(self.prompt_ids[-5:])
+            state = self.pieces[index] = [tail, 0, len(tail)]
+        ids, prefix, read = state
+        ids.append(token_id)
+        skip = self.request.output.skip_special_tokens
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            state[1], state[2] = read, len(ids)
+            return after[len(before):]
+        return ""
 
     def _final(self, index, finish_reason, stop_reason, metrics) -> FinalEvent:
         self.open.discard(index)

@@ -178,6 +178,10 @@ class TokenEvent(_Frozen, tag="token", kw_only=True):
     top_logprobs: tuple[TopLogprob, ...] = ()
     special: bool = False
     token_text: str | None = None  # this token's own text, when logprobs were requested
+    # With stop strings the engine holds text back, so ``text`` lags behind the tokens. Then
+    # ``piece`` is the text this token adds by plain incremental detokenization ("" while a
+    # character is incomplete), for protocols that report text per token (LMI, TGI).
+    piece: str | None = None
     last: bool = False  # the choice's FinalEvent follows immediately (no more tokens come)
     # Engine-side measurements, for protocols that report per-token timing (MindIE):
     elapsed_s: float = 0.0  # since the engine received the request, when this token was produced

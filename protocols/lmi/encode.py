@@ -6,9 +6,10 @@ Two writers share one set of transforms: :class:`LMIWriter` (the seed's rolling-
 ``index``; with ``inputs`` added in LMI's TGI-compatible mode). ``stream_objects`` and
 ``dynamic_lines`` are pure async-generator transforms; ``jsonlines`` and ``sse`` frame them.
 
-A token's ``text`` is the text it completes (incremental detokenization, as TGI does), so the
-texts of the non-special tokens concatenate to ``generated_text``; a special token that adds no
-text reports its own piece (``<|im_end|>``) instead.
+A token's ``text`` is the text it completes (incremental detokenization, as TGI does): without
+stop strings the texts of the non-special tokens concatenate to ``generated_text``; with them,
+the tokens that matched a stop string keep their text though ``generated_text`` drops it. A
+special token that adds no text reports its own piece (``<|im_end|>``) instead.
 """
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ def _logprob(value: float | None) -> float | None:
 
 
 def _token_text(event: TokenEvent, extra: str = "") -> str:
-    if event.special and not event.text and not extra:
+    """``extra``: text the engine flushed after this (last) token."""
+    text = event.text + extra if event.piece is None else event.piece
+    if event.special and not text:
         return event.token_text or ""
-    return event.text + extra
+    return text
 
 
 class LMIWriter:

@@ -150,8 +150,7 @@ async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
     compat = config.lmi_tgi_compat
     try:
         inputs, params, stream = parse_body(body, allow_list=True)
-        gen = parse_parameters(params, LMI_TGI_COMPAT if compat else LMI,
-                               stream=bool(stream) and isinstance(inputs, str))
+        gen = parse_parameters(params, LMI_TGI_COMPAT if compat else LMI, stream=bool(stream))
     except InvalidParameters as exc:
         raise payload_error(str(exc)) from None
     if isinstance(inputs, list):

@@ -256,3 +256,19 @@ async def test_dynamic_lines_raise_on_failure():
     failing = _aiter([TokenEvent(token_id=1, text="a"), ErrorEvent(kind="engine", message="x")])
     with pytest.raises(GenerationFailed):
         await _list(dynamic_lines([failing]))
+
+
+async def test_pieces_give_token_texts_when_stop_strings_hold_text_back():
+    # vLLM's deltas lag behind the tokens when stop strings are set: " Paris." arrives as
+    # "" then " Paris" while the tokens are " Paris" and "."; `piece` carries each token's text.
+    events = [TokenEvent(token_id=1, text="", piece=" Paris"),
+              TokenEvent(token_id=2, text=" Paris", piece=".", last=True),
+              FinalEvent(finish_reason="length", text=".",
+                         usage=Usage(prompt_tokens=1, completion_tokens=2))]
+    lines = await _list(stream_objects(_aiter(events), META, LMIWriter()))
+    assert [line["token"]["text"] for line in lines] == [" Paris", "."]
+    assert lines[-1]["generated_text"] == " Paris."
+    _, seqs = await collect(_aiter(events))
+    body = response_body(None, seqs, META, TGIWriter())
+    assert [t["text"] for t in body["details"]["tokens"]] == [" Paris", "."]
+    assert body["generated_text"] == " Paris."
