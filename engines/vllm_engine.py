@@ -263,9 +263,9 @@ class _Translator:
         self.tokenizer = tokenizer
         self.want_prompt = request.output.echo or request.output.prompt_logprobs is not None
         self.counts: dict[int, int] = {}
-        # Per choice: [ids, prefix_offset, read_offset] for incremental detokenization, only
-        # when stop strings make vLLM's text deltas lag behind the tokens (TokenEvent.piece).
-        self.pieces: dict[int, list] | None = {} if request.sampling.stop else None
+        # Per choice: [ids, prefix_offset, read_offset] for incremental detokenization
+        # (TokenEvent.piece), when the protocol asked for per-token text.
+        self.pieces: dict[int, list] | None = {} if request.output.token_pieces else None
         self.open: set[int] = set(range(request.sampling.n))
         self.started = time.monotonic()
 
@@ -363,7 +363,8 @@ class _Translator:
         self.open.discard(index)
         return FinalEvent(
             index=index,
-            finish_reason=_finish_reason(finish_reason, stop_reason),
+            finish_reason=_finish_reason(finish_reason, stop_reason,
+                                         self.request.sampling.stop_token_ids),
             stop_reason=stop_reason,
             usage=Usage(prompt_tokens=len(self.prompt_ids),
                         completion_tokens=self.counts.get(index, 0)),
@@ -400,9 +401,15 @@ def _top(entry: dict[int, Any] | None, k: int | None) -> tuple[TopLogprob, ...]:
     )
 
 
-def _finish_reason(reason: str, stop_reason: str | int | None) -> FinishReason:
+def _finish_reason(reason: str, stop_reason: str | int | None,
+                   requested_stop_ids: tuple[int, ...]) -> FinishReason:
     if reason == "stop":
-        return "eos" if stop_reason is None else "stop_sequence"
+        # vLLM adds the generation config's extra EOS ids (Llama 3's <|eot_id|>, ...) to the
+        # stop token ids; stopping on one of those is an EOS, not a client's stop sequence.
+        if stop_reason is None or (isinstance(stop_reason, int)
+                                   and stop_reason not in requested_stop_ids):
+            return "eos"
+        return "stop_sequence"
     if reason in ("length", "abort", "error"):
         return reason  # type: ignore[return-value]
     return "error"

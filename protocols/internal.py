@@ -121,6 +121,7 @@ class OutputOptions(_Frozen, kw_only=True):
     echo: bool = False  # return the prompt (ids and text) in a PromptEvent
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    token_pieces: bool = False  # fill TokenEvent.piece (protocols that report text per token)
 
 
 class ControllerSpec(_Frozen, kw_only=True):
@@ -178,9 +179,10 @@ class TokenEvent(_Frozen, tag="token", kw_only=True):
     top_logprobs: tuple[TopLogprob, ...] = ()
     special: bool = False
     token_text: str | None = None  # this token's own text, when logprobs were requested
-    # With stop strings the engine holds text back, so ``text`` lags behind the tokens. Then
-    # ``piece`` is the text this token adds by plain incremental detokenization ("" while a
-    # character is incomplete), for protocols that report text per token (LMI, TGI).
+    # With ``OutputOptions.token_pieces``: the text this token adds by plain incremental
+    # detokenization ("" while a character is incomplete). ``text`` can't serve there: it lags
+    # behind the tokens while a stop string may be forming, and when vLLM merges the deltas of
+    # several steps (a busy consumer) the whole text lands on the last token.
     piece: str | None = None
     last: bool = False  # the choice's FinalEvent follows immediately (no more tokens come)
     # Engine-side measurements, for protocols that report per-token timing (MindIE):

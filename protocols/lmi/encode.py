@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from protocols.internal import ErrorEvent, Event, FinalEvent, PromptEvent, PromptToken, TokenEvent
 
 __all__ = ["GenerationFailed", "LMIWriter", "ResponseMeta", "SequenceResult", "TGIWriter",
-           "best_sequence", "collect", "dynamic_lines", "finish_reason", "jsonlines", "response_body", "sse",
-           "stream_objects"]
+           "best_sequence", "collect", "dynamic_lines", "finish_reason", "gather_or_cancel",
+           "jsonlines", "response_body", "sse", "stream_objects"]
 
+T = TypeVar("T")
 _FINISH = {"eos": "eos_token", "length": "length", "stop_sequence": "stop_sequence"}
 _encode = msgspec.json.Encoder().encode  # writes NaN / infinity as null, never as bare tokens
 
@@ -152,7 +153,7 @@ class LMIWriter:
         self._extras(out, seq, meta, prompt)
         return out
 
-    def stream_error(self, message: str) -> dict[str, Any]:
+    def stream_error(self, message: str, error_type: str = "generation") -> dict[str, Any]:
         return {"token": {"id": -1, "text": "", "log_prob": -1, "special_token": True,
                           "error_msg": message},
                 "generated_text": "",
@@ -218,8 +219,8 @@ class TGIWriter(LMIWriter):
     def best_of(self, seq: SequenceResult, meta: ResponseMeta, prompt: PromptEvent | None):
         return {"generated_text": meta.prefix + seq.text, **self._sequence(seq, meta, prompt)}
 
-    def stream_error(self, message: str) -> dict[str, Any]:
-        return {"error": message, "error_type": "generation"}
+    def stream_error(self, message: str, error_type: str = "generation") -> dict[str, Any]:
+        return {"error": message, "error_type": error_type}
 
 
 async def stream_objects(events: AsyncIterator[Event], meta: ResponseMeta,
@@ -266,6 +267,8 @@ async def stream_objects(events: AsyncIterator[Event], meta: ResponseMeta,
             details = writer.stream_details(event, meta, prompt) if meta.details else None
             yield writer.last(step(last, text), "".join(parts), details)
             return
+    # The engine stream ended without a final event (a replica died mid-request).
+    yield writer.stream_error("incomplete generation", "incomplete_generation")
 
 
 async def collect(events: AsyncIterator[Event]) -> tuple[PromptEvent | None, list[SequenceResult]]:
@@ -314,20 +317,38 @@ def response_body(prompt: PromptEvent | None, sequences: Sequence[SequenceResult
 
 
 async def _texts(events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    """Per generated token, the text it completes (the final flush joins the last token)."""
-    held: str | None = None
+    """Per generated token, the text it adds (special tokens add none)."""
+    held: TokenEvent | None = None
     async for event in events:
         if isinstance(event, ErrorEvent):
             raise GenerationFailed(event)
         if isinstance(event, TokenEvent):
             if held is not None:
-                yield held
-            held = event.text
+                yield _plain(held)
+            held = event
         elif isinstance(event, FinalEvent):
             if event.finish_reason in ("abort", "error"):
                 raise GenerationFailed(_failed(event))
-            yield (held or "") + event.text
+            if held is not None:
+                yield _plain(held, event.text)
             return
+    raise GenerationFailed(ErrorEvent(kind="engine", message="incomplete generation"))
+
+
+def _plain(event: TokenEvent, extra: str = "") -> str:
+    return event.text + extra if event.piece is None else event.piece
+
+
+async def gather_or_cancel(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """Results in order; the first failure cancels the others (aborting their engine
+    requests) before it is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def dynamic_lines(streams: Sequence[AsyncIterator[Event]]) -> AsyncIterator[dict[str, Any]]:
@@ -347,12 +368,19 @@ async def dynamic_lines(streams: Sequence[AsyncIterator[Event]]) -> AsyncIterato
 
     try:
         while True:
-            step = await asyncio.gather(*(next_text(i) for i in range(len(texts))))
+            step = await gather_or_cancel([next_text(i) for i in range(len(texts))])
             if all(t is None for t in step):
                 return
             yield {"outputs": [t or "" for t in step]}
     finally:
         await asyncio.gather(*(t.aclose() for t in texts), return_exceptions=True)
+        await asyncio.gather(*(_close(s) for s in streams), return_exceptions=True)
+
+
+async def _close(stream: AsyncIterator[Event]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 async def jsonlines(objects: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

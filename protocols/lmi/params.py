@@ -13,11 +13,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from protocols.internal import OutputOptions, Sampling
 from protocols.jsonvalues import is_int, is_number
 
 __all__ = ["LMI", "LMI_TGI_COMPAT", "TGI", "Dialect", "Generation", "InvalidParameters",
-           "parse_body", "parse_parameters"]
+           "decode_json", "parse_body", "parse_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,6 @@ LMI = Dialect("lmi", 30, False, False, None, _MAX_TOP_N, True, True)
 LMI_TGI_COMPAT = Dialect("lmi", 30, True, False, None, _MAX_TOP_N, True, True)
 TGI = Dialect("tgi", 100, False, True, 4, 5, False, False, max_best_of=2)  # TGI defaults
 
-_BODY_KEYS = frozenset({"inputs", "parameters", "stream", "model_name", "model"})
 _KNOWN = frozenset({
     "do_sample", "seed", "temperature", "repetition_penalty", "top_k", "top_p", "typical_p",
     "max_new_tokens", "max_tokens", "details", "return_full_text", "stop_sequences", "stop",
@@ -67,9 +68,15 @@ class Generation:
     return_full_text: bool
     prefill: bool  # decoder_input_details: report prompt tokens with logprobs
     top_n_tokens: int
-    sequences: int  # sampled sequences; the most likely is returned, the rest in best_of_sequences
     seed: int | None  # reported back (TGI details.seed)
     truncate: int | None  # keep only the last N prompt tokens
+
+
+def decode_json(data: bytes) -> Any:
+    try:
+        return msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise InvalidParameters(f"invalid JSON body: {exc}") from None
 
 
 def parse_body(body: Any, *, allow_list: bool) -> tuple[str | list[str], dict, bool | None]:
@@ -90,7 +97,7 @@ def parse_body(body: Any, *, allow_list: bool) -> tuple[str | list[str], dict, b
         params = {}
     if not isinstance(params, dict):
         raise InvalidParameters("`parameters` must be a JSON object.")
-    top_level = {k: v for k, v in body.items() if k in _KNOWN and k not in _BODY_KEYS}
+    top_level = {k: v for k, v in body.items() if k in _KNOWN}
     merged = {**top_level, **{k: v for k, v in params.items() if v is not None}}
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -220,11 +227,14 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
             raise InvalidParameters("`n` / `best_of` > 1 needs sampling: set `do_sample` to true.")
 
     top_n = _integer(p, "top_n_tokens", "logprobs", low=0, high=dialect.max_top_n_tokens) or 0
-    prompt_logprobs = _integer(p, "prompt_logprobs", low=0, high=_MAX_TOP_N)
+    # prefill reports each prompt token's own logprob; alternatives have no place in the schema
+    prompt_logprobs = _integer(p, "prompt_logprobs", low=0, high=1)
     prefill = bool(_flag(p, "decoder_input_details")) or prompt_logprobs is not None
     if prefill and stream and not dialect.stream_prefill:
         raise InvalidParameters("`decoder_input_details` is not supported when streaming tokens.")
     details = _flag(p, "details")
+    if details is None and prefill:
+        details = True  # as TGI: prefill is reported inside details
     truncate = _integer(p, "truncate", low=1)
     max_new_tokens = _integer(p, "max_new_tokens", "max_tokens", low=1)
 
@@ -248,7 +258,8 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
     spaces = _flag(p, "spaces_between_special_tokens")
     output = OutputOptions(
         logprobs=top_n,  # 0: the sampled token's own logprob, which every Token carries
-        prompt_logprobs=(prompt_logprobs or 0) if prefill else None,
+        prompt_logprobs=0 if prefill else None,  # 0: the prompt token's own logprob
+        token_pieces=True,
         skip_special_tokens=True if skip_special is None else skip_special,
         spaces_between_special_tokens=True if spaces is None else spaces,
     )
@@ -256,6 +267,6 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
         sampling=sampling, output=output,
         details=dialect.default_details if details is None else details,
         return_full_text=bool(_flag(p, "return_full_text")), prefill=prefill,
-        top_n_tokens=top_n, sequences=sequences, seed=seed if sample else None,
+        top_n_tokens=top_n, seed=seed if sample else None,
         truncate=truncate,
     )

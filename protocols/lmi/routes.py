@@ -1,5 +1,5 @@
 """SageMaker / DJL Serving LMI routes: ``/invocations``, ``/predictions/{model}``,
-``/models/{model}/invoke``, ``/models`` and SageMaker's ``/ping``.
+``/models/{model}/invoke`` and ``/models`` (SageMaker's ``/ping`` is the gateway's).
 
 A body with ``inputs`` is LMI (a string: rolling batch; a list: dynamic batch); ``prompt`` or
 ``messages`` is an OpenAI completion or chat request, as newer LMI containers dispatch it.
@@ -18,14 +18,16 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from protocols.internal import EngineClient, GenerateRequest, TextPrompt, TokenPrompt
+from protocols.internal import EngineClient, ErrorEvent, GenerateRequest, TextPrompt, TokenPrompt
 from protocols.lmi.encode import (
     GenerationFailed,
     LMIWriter,
     ResponseMeta,
     TGIWriter,
+    best_sequence,
     collect,
     dynamic_lines,
+    gather_or_cancel,
     jsonlines,
     response_body,
     sse,
@@ -42,16 +44,17 @@ from protocols.lmi.params import (
     LMI_TGI_COMPAT,
     Generation,
     InvalidParameters,
+    decode_json,
     parse_body,
     parse_parameters,
 )
 from protocols.streams import Peeked, peek
 
-__all__ = ["router", "start_generation"]
+__all__ = ["STREAM_HEADERS", "response_meta", "router", "start_generation"]
 
 router = APIRouter()
 
-_STREAM_HEADERS = {"Cache-Control": "no-cache"}
+STREAM_HEADERS = {"Cache-Control": "no-cache"}
 _NO_PAYLOAD = "Input parsing failed: invalid payload. must contain prompt, inputs, or messages"
 
 
@@ -60,7 +63,10 @@ async def start_generation(engine: EngineClient, model: str, inputs: str,
     """Submit one prompt and peek its first event. Raises :class:`GenerationFailed`."""
     prompt: TextPrompt | TokenPrompt = TextPrompt(text=inputs)
     if gen.truncate is not None:  # TGI / lmi-dist `truncate`: keep the last N prompt tokens
-        ids = await engine.tokenize(prompt)
+        try:
+            ids = await engine.tokenize(prompt)
+        except Exception as exc:
+            raise GenerationFailed(ErrorEvent(kind="engine", message=f"tokenize: {exc}")) from exc
         if len(ids) > gen.truncate:
             prompt = TokenPrompt(token_ids=ids[-gen.truncate:])
     request = GenerateRequest(request_id=uuid.uuid4().hex, model=model, prompt=prompt,
@@ -71,9 +77,23 @@ async def start_generation(engine: EngineClient, model: str, inputs: str,
     return peeked
 
 
-def _resolve(request: Request, name: str | None) -> tuple[str, EngineClient]:
+async def response_meta(request: Request, model: str, inputs: str,
+                        gen: Generation) -> ResponseMeta:
+    try:
+        eos_token_id = (await request.app.state.registry.info(model)).eos_token_id
+    except Exception as exc:
+        raise GenerationFailed(ErrorEvent(kind="engine", message=f"model info: {exc}")) from exc
+    return ResponseMeta(inputs=inputs, details=gen.details, return_full_text=gen.return_full_text,
+                        prefill=gen.prefill, top_n_tokens=gen.top_n_tokens, seed=gen.seed,
+                        eos_token_id=eos_token_id)
+
+
+def _resolve(request: Request, name: Any) -> tuple[str, EngineClient]:
     from gateway.registry import ModelNotFound, ModelRequired
 
+    if name is not None and not isinstance(name, str):
+        raise frontend_error(400, "BadRequestException",
+                             f"model_name must be a string, got {name!r}.")
     try:
         return request.app.state.registry.resolve(name)
     except ModelNotFound:
@@ -85,9 +105,9 @@ def _resolve(request: Request, name: str | None) -> tuple[str, EngineClient]:
 
 async def _decode(request: Request) -> Any:
     try:
-        return msgspec.json.decode(await request.body())
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise payload_error(f"Input parsing failed: invalid JSON: {exc}") from None
+        return decode_json(await request.body())
+    except InvalidParameters as exc:
+        raise payload_error(f"Input parsing failed: {exc}") from None
 
 
 def _with_body(request: Request, body: dict) -> Request:
@@ -148,29 +168,28 @@ def _wants_sse(request: Request, default_formatter: str) -> bool:
 async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
     config = request.app.state.config
     compat = config.lmi_tgi_compat
+    dynamic = isinstance(body.get("inputs"), list)
     try:
         inputs, params, stream = parse_body(body, allow_list=True)
         gen = parse_parameters(params, LMI_TGI_COMPAT if compat else LMI, stream=bool(stream))
     except InvalidParameters as exc:
-        raise payload_error(str(exc)) from None
+        raise (dynamic_error if dynamic else payload_error)(str(exc)) from None
     if isinstance(inputs, list):
         return await _dynamic(engine, name, inputs, gen, stream=bool(stream))
-    info = await request.app.state.registry.info(name)
-    meta = ResponseMeta(inputs=inputs, details=gen.details, return_full_text=gen.return_full_text,
-                        prefill=gen.prefill, top_n_tokens=gen.top_n_tokens, seed=gen.seed,
-                        eos_token_id=info.eos_token_id)
     writer = TGIWriter(with_inputs=True) if compat else LMIWriter()
     try:
+        meta = await response_meta(request, name, inputs, gen)
         peeked = await start_generation(engine, name, inputs, gen)
     except GenerationFailed as exc:
         raise generation_error(exc.event) from None
     if stream:
         objects = stream_objects(aiter(peeked), meta, writer)
-        if compat or _wants_sse(request, config.lmi_output_formatter):
-            return StreamingResponse(sse(objects, space=not compat),
-                                     media_type="text/event-stream", headers=_STREAM_HEADERS)
+        # TGI-compatible mode only changes the default framing to SSE (the seed's `data: `).
+        if _wants_sse(request, "sse" if compat else config.lmi_output_formatter):
+            return StreamingResponse(sse(objects, space=True), media_type="text/event-stream",
+                                     headers=STREAM_HEADERS)
         return StreamingResponse(jsonlines(objects), media_type="application/jsonlines",
-                                 headers=_STREAM_HEADERS)
+                                 headers=STREAM_HEADERS)
     try:
         prompt, sequences = await collect(aiter(peeked))
     except GenerationFailed as exc:
@@ -181,33 +200,42 @@ async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
 
 async def _dynamic(engine: EngineClient, name: str, inputs: list[str], gen: Generation,
                    stream: bool):
-    """Dynamic batch: one engine request per input, answered in input order."""
-    started = await asyncio.gather(*(start_generation(engine, name, text, gen) for text in inputs),
-                                   return_exceptions=True)
-    failure = next((s for s in started if isinstance(s, BaseException)), None)
-    if failure is not None:
-        await asyncio.gather(*(s.aclose() for s in started if isinstance(s, Peeked)),
-                             return_exceptions=True)
-        if not isinstance(failure, Exception):
-            raise failure
-        raise dynamic_error(str(failure)) from None
-    peeked: list[Peeked] = started  # type: ignore[assignment]
+    """Dynamic batch: one engine request per input, answered in input order. The first failure
+    aborts every other input's engine request."""
+    peeked = await _start_all(engine, name, inputs, gen)
     if stream:
-        return StreamingResponse(jsonlines(_dynamic_stream([aiter(p) for p in peeked])),
-                                 media_type="application/jsonlines", headers=_STREAM_HEADERS)
-    results = await asyncio.gather(*(collect(aiter(p)) for p in peeked), return_exceptions=True)
-    failure = next((r for r in results if isinstance(r, BaseException)), None)
-    if failure is not None:
-        raise dynamic_error(str(failure)) from None
-    plain = ResponseMeta(inputs="", details=False)
+        return StreamingResponse(jsonlines(_dynamic_stream(peeked)),
+                                 media_type="application/jsonlines", headers=STREAM_HEADERS)
+    try:
+        results = await gather_or_cancel([collect(aiter(p)) for p in peeked])
+    except GenerationFailed as exc:
+        raise dynamic_error(str(exc)) from None
+    finally:
+        await asyncio.gather(*(p.aclose() for p in peeked), return_exceptions=True)
     return JSONResponse([
-        {"generated_text": (text if gen.return_full_text else "")
-         + response_body(prompt, seqs, plain, LMIWriter())["generated_text"]}
-        for text, (prompt, seqs) in zip(inputs, results, strict=True)  # type: ignore[misc]
+        {"generated_text": (text if gen.return_full_text else "") + best_sequence(seqs).text}
+        for text, (_, seqs) in zip(inputs, results, strict=True)
     ])
 
 
-async def _dynamic_stream(streams: list[AsyncIterator]) -> AsyncIterator[dict]:
+async def _start_all(engine: EngineClient, name: str, inputs: list[str],
+                     gen: Generation) -> list[Peeked]:
+    tasks = [asyncio.ensure_future(start_generation(engine, name, text, gen)) for text in inputs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException as exc:  # a refusal, or the client went away: close what started
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        started = [t.result() for t in tasks
+                   if t.done() and not t.cancelled() and t.exception() is None]
+        await asyncio.gather(*(p.aclose() for p in started), return_exceptions=True)
+        if isinstance(exc, GenerationFailed):
+            raise dynamic_error(str(exc)) from None
+        raise
+
+
+async def _dynamic_stream(streams: list[Peeked]) -> AsyncIterator[dict]:
     try:
         async for line in dynamic_lines(streams):
             yield line

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protocols.internal import EngineClient
 from protocols.lmi.encode import (
@@ -26,8 +25,8 @@ from protocols.lmi.encode import (
     stream_objects,
 )
 from protocols.lmi.errors import TGIError, tgi_from_event, tgi_invalid
-from protocols.lmi.params import TGI, InvalidParameters, parse_body, parse_parameters
-from protocols.lmi.routes import start_generation
+from protocols.lmi.params import TGI, InvalidParameters, decode_json, parse_body, parse_parameters
+from protocols.lmi.routes import STREAM_HEADERS, response_meta, start_generation
 from protocols.streams import Peeked
 
 __all__ = ["router"]
@@ -35,7 +34,6 @@ __all__ = ["router"]
 router = APIRouter()
 
 _WRITER = TGIWriter()
-_STREAM_HEADERS = {"Cache-Control": "no-cache"}
 
 
 def _model(request: Request) -> tuple[str, EngineClient]:
@@ -49,23 +47,17 @@ def _model(request: Request) -> tuple[str, EngineClient]:
 
 async def _start(request: Request, stream: bool | None) -> tuple[Peeked, ResponseMeta, bool]:
     """Validate and submit; ``stream`` None means "as the body says" (the root route)."""
-    try:
-        body = msgspec.json.decode(await request.body())
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise tgi_invalid(f"invalid JSON body: {exc}") from None
     name, engine = _model(request)
     try:
+        body = decode_json(await request.body())
         inputs, params, body_stream = parse_body(body, allow_list=False)
         stream = bool(body_stream) if stream is None else stream
         gen = parse_parameters(params, TGI, stream=stream)
     except InvalidParameters as exc:
         raise tgi_invalid(str(exc)) from None
     assert isinstance(inputs, str)
-    info = await request.app.state.registry.info(name)
-    meta = ResponseMeta(inputs=inputs, details=gen.details, return_full_text=gen.return_full_text,
-                        prefill=gen.prefill, top_n_tokens=gen.top_n_tokens, seed=gen.seed,
-                        eos_token_id=info.eos_token_id)
     try:
+        meta = await response_meta(request, name, inputs, gen)
         peeked = await start_generation(engine, name, inputs, gen)
     except GenerationFailed as exc:
         raise tgi_from_event(exc.event) from None
@@ -73,10 +65,9 @@ async def _start(request: Request, stream: bool | None) -> tuple[Peeked, Respons
 
 
 def _stream(peeked: Peeked, meta: ResponseMeta) -> StreamingResponse:
-    # TGI streams always end with details, whatever `details` says.
-    meta = ResponseMeta(**{**meta.__dict__, "details": True})
+    # As TGI: the last event's `details` is null unless `details` was asked for.
     return StreamingResponse(sse(stream_objects(aiter(peeked), meta, _WRITER), space=False),
-                             media_type="text/event-stream", headers=_STREAM_HEADERS)
+                             media_type="text/event-stream", headers=STREAM_HEADERS)
 
 
 def _timing_headers(best: SequenceResult, started: float) -> dict[str, str]:
@@ -94,11 +85,11 @@ def _timing_headers(best: SequenceResult, started: float) -> dict[str, str]:
             "x-generated-tokens": str(generated)}
 
 
-async def _generate(request: Request, wrap: bool) -> JSONResponse:
+async def _generate(request: Request, wrap: bool) -> JSONResponse | StreamingResponse:
     started = time.monotonic()
     peeked, meta, stream = await _start(request, False if not wrap else None)
     if stream:
-        return _stream(peeked, meta)  # type: ignore[return-value]
+        return _stream(peeked, meta)
     try:
         prompt, sequences = await collect(aiter(peeked))
     except GenerationFailed as exc:
@@ -109,12 +100,12 @@ async def _generate(request: Request, wrap: bool) -> JSONResponse:
 
 
 @router.post("/generate")
-async def generate(request: Request) -> JSONResponse:
+async def generate(request: Request) -> Response:
     return await _generate(request, wrap=False)
 
 
 @router.post("/")
-async def compat_generate(request: Request) -> JSONResponse:
+async def compat_generate(request: Request) -> Response:
     """TGI's root route: a one-element JSON list, or the SSE stream when ``stream`` is true."""
     return await _generate(request, wrap=True)
 

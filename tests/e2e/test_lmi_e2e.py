@@ -664,7 +664,7 @@ def test_inference_client_text_generation(gateway_url, native, route, stream):
 
 def test_generate_stream_raw_bytes(http, native):
     expected = native(PROMPT, 6)
-    events = _sse(http, {"inputs": PROMPT, "parameters": {"max_new_tokens": 6}},
+    events = _sse(http, {"inputs": PROMPT, "parameters": {"max_new_tokens": 6, "details": True}},
                   "/generate_stream", "data:")
     assert len(events) == 6
     assert all(set(e) == {"index", "token", "generated_text", "details"} for e in events)
@@ -675,6 +675,10 @@ def test_generate_stream_raw_bytes(http, native):
     assert last["generated_text"] == expected["text"]
     assert last["details"] == {"finish_reason": "length", "generated_tokens": 6, "seed": None,
                                "input_length": len(expected["prompt_token_ids"])}
+    # as TGI: without `details` the last event carries the text and `details: null`
+    plain = _sse(http, {"inputs": PROMPT, "parameters": {"max_new_tokens": 6}},
+                 "/generate_stream", "data:")
+    assert plain[-1]["generated_text"] == expected["text"] and plain[-1]["details"] is None
 
 
 def test_generate_is_an_object_and_root_an_array_or_a_stream(http, native):
@@ -769,7 +773,7 @@ def test_compat_stream_is_sse_with_tgi_tokens(compat_url, native):
     with httpx.Client(base_url=compat_url, timeout=60) as client:
         # LMI's SSE writer puts a space after "data:", TGI's does not: either is SSE
         events = _sse(client, {"inputs": PROMPT, "parameters": {"max_new_tokens": 8},
-                               "stream": True}, "/invocations", ("data:", "data: "))
+                               "stream": True}, "/invocations", "data: ")
     assert len(events) == 8
     assert all(set(e["token"]) == TGI_TOKEN_KEYS for e in events)
     assert [e["token"]["id"] for e in events] == expected["token_ids"]

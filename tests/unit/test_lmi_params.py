@@ -57,14 +57,15 @@ def test_common_parameters_map_to_sampling():
 def test_vllm_extras_map():
     gen = _lmi(do_sample=True, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
                stop_token_ids=[2, 3], include_stop_str_in_output=True, ignore_eos_token=True,
-               logprobs=3, prompt_logprobs=2, skip_special_tokens=False,
+               logprobs=3, prompt_logprobs=1, skip_special_tokens=False,
                spaces_between_special_tokens=False, n=2, best_of=3)
     s, o = gen.sampling, gen.output
     assert (s.min_p, s.presence_penalty, s.frequency_penalty) == (0.1, 0.5, -0.5)
     assert s.stop_token_ids == (2, 3) and s.include_stop_str_in_output and s.ignore_eos
-    assert o.logprobs == 3 and gen.top_n_tokens == 3 and o.prompt_logprobs == 2 and gen.prefill
+    assert o.logprobs == 3 and gen.top_n_tokens == 3 and o.prompt_logprobs == 0 and gen.prefill
+    assert gen.details  # prefill lives in details, so asking for it turns details on
     assert not o.skip_special_tokens and not o.spaces_between_special_tokens
-    assert s.n == 3 and gen.sequences == 3  # max(n, best_of) sequences are sampled
+    assert s.n == 3  # max(n, best_of) sequences are sampled, the most likely one on top
 
 
 @pytest.mark.parametrize("params", [{"stop": ["x"]}, {"stop": "x"}, {"stop_sequences": "x"}])
@@ -122,6 +123,7 @@ def test_beam_only_knobs_accepted_without_beams():
     ({"watermark": True}, "watermark"), ({"grammar": {"type": "json", "value": {}}}, "grammar"),
     ({"adapters": "lora1"}, "adapters"), ({"truncate": 0}, "truncate"),
     ({"n": 2}, "sampling"), ({"best_of": 2, "do_sample": False}, "sampling"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs"),
 ])
 def test_lmi_invalid_parameters_name_the_field(params, field):
     with pytest.raises(InvalidParameters, match=field):
@@ -150,7 +152,7 @@ def test_tgi_refuses_prefill_on_streams_lmi_allows_it():
 
 
 def test_tgi_ignores_lmi_only_extras():
-    assert _tgi(n=3).sequences == 1
+    assert _tgi(n=3).sampling.n == 1
 
 
 @pytest.mark.parametrize("body", [[], "x", {"parameters": {}}, {"inputs": ""}, {"inputs": 3},

@@ -151,8 +151,11 @@ async def test_tgi_compat_mode_on_invocations():
         assert body[0]["details"]["inputs"] == "Hi" and body[0]["details"]["prefill"] == []
         r = await c.post("/invocations", json={**BODY, "stream": True})
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = _sse(r, "data:")
+        events = _sse(r, "data: ")  # the seed's TGI-compat example: `data: ` with a space
         assert events[-1]["generated_text"] == "Hel" and events[0]["token"]["special"] is False
+        r = await c.post("/invocations", json={**BODY, "stream": True},
+                         headers={"accept": "application/jsonlines"})
+        assert _lines(r)[-1]["generated_text"] == "Hel"  # SSE is only the default there
 
 
 async def test_truncate_keeps_the_last_tokens(client, engine):
@@ -207,12 +210,15 @@ async def test_tgi_root_route_list_or_stream(client):
     assert events[-1]["details"]["input_length"] == 2
 
 
-async def test_tgi_stream_always_ends_with_details(client):
+async def test_tgi_stream_details_only_when_asked(client):
     r = await client.post("/generate_stream", json={"inputs": "Hi",
                                                     "parameters": {"max_new_tokens": 2}})
     events = _sse(r, "data:")
     assert events[0]["details"] is None and events[0]["generated_text"] is None
-    assert events[-1]["details"]["finish_reason"] == "length"
+    assert events[-1]["generated_text"] == "He" and events[-1]["details"] is None
+    r = await client.post("/generate_stream", json={"inputs": "Hi", "parameters": {
+        "max_new_tokens": 2, "details": True}})
+    assert _sse(r, "data:")[-1]["details"]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/"])
@@ -251,3 +257,68 @@ def test_tgi_model_must_be_served():
 async def test_get_root_still_describes_the_gateway(client):
     r = await client.get("/")
     assert r.status_code == 200 and "tgi" in r.json()["protocols"]
+
+
+@pytest.mark.parametrize("name", [["a"], {"x": 1}, 3])
+async def test_non_string_model_name_is_400(client, name):
+    r = await client.post("/invocations", json={**BODY, "model_name": name})
+    assert r.status_code == 400 and r.json()["type"] == "BadRequestException"
+
+
+async def test_decoder_input_details_turns_details_on(client):
+    r = await client.post("/generate", json={"inputs": "Hi", "parameters": {
+        "max_new_tokens": 1, "decoder_input_details": True}})
+    assert [t["id"] for t in r.json()["details"]["prefill"]] == [ord("H"), ord("i")]
+
+
+async def test_dynamic_batch_parameter_errors_use_the_dynamic_shape(client):
+    r = await client.post("/invocations", json={"inputs": ["a"], "parameters": {"top_k": 1.5}})
+    assert r.status_code == 424 and r.json()["message"] == "invoke handler failure"
+
+
+class _FailsLater(FakeEngine):
+    """Prompts starting with "bad" fail after two tokens; others run slowly."""
+
+    async def generate(self, request):
+        bad = request.prompt.text.startswith("bad")
+        count = 0
+        async for event in super().generate(request):
+            yield event
+            count += 1
+            if bad and count == 2:
+                from protocols.internal import ErrorEvent
+                yield ErrorEvent(kind="engine", message="replica failed")
+                return
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_dynamic_batch_failure_aborts_the_other_inputs(stream):
+    engine = _FailsLater(delay=0.01)
+    async with _client({"fake-model": engine}) as c:
+        body = {"inputs": ["good", "bad"], "stream": stream,
+                "parameters": {"max_new_tokens": 50, "ignore_eos": True}}
+        r = await c.post("/invocations", json=body)
+        if stream:
+            assert r.status_code == 200
+            assert _lines(r)[-1] == {"code": 424, "message": "invoke handler failure",
+                                     "error": "replica failed"}
+        else:
+            assert r.status_code == 424 and r.json()["error"] == "replica failed"
+    # "good" was aborted, not run to its 50 tokens ("bad" closes its own inner stream too)
+    assert set(engine.cancelled) == {r.request_id for r in engine.requests}
+    assert not engine.active
+
+
+async def test_a_stream_that_stops_short_ends_with_an_error():
+    class Truncated(FakeEngine):
+        async def generate(self, request):
+            async for event in super().generate(request):
+                yield event
+                return  # one token, then nothing: no final event
+
+    async with _client({"fake-model": Truncated()}) as c:
+        lines = _lines(await c.post("/invocations", json={**BODY, "stream": True}))
+        assert lines[-1]["details"]["finish_reason"] == "error"
+        events = _sse(await c.post("/generate_stream", json=BODY), "data:")
+        assert events[-1] == {"error": "incomplete generation",
+                              "error_type": "incomplete_generation"}
