@@ -486,7 +486,12 @@ def test_payload_errors_are_424(http, body):
     response = http.post("/invocations", json=body)
     assert response.status_code == 424, response.text
     error = response.json()
-    assert set(error) == {"error", "code"} and error["code"] == 424 and error["error"]
+    # a list of inputs is a dynamic batch, whose failures carry the seed's dynamic-batch body
+    dynamic = isinstance(body, dict) and isinstance(body.get("inputs"), list)
+    expected = {"code", "message", "error"} if dynamic else {"error", "code"}
+    assert set(error) == expected and error["code"] == 424 and error["error"]
+    if dynamic:
+        assert error["message"] == "invoke handler failure"
 
 
 def test_missing_inputs_names_the_three_accepted_fields(http):
