@@ -65,53 +65,44 @@ async def _openai_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
     return tokens, ttft or 0.0
 
 
-async def _mindie_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
-    body = {"text_input": prompt["text"],
-            "parameters": {"do_sample": False, "max_new_tokens": max_tokens, "details": True}}
+async def _stream_lines(client: httpx.AsyncClient, path: str, body: dict, prefix: str,
+                        tokens_of: Callable[[dict], int | None]):
+    """POST a streamed request; TTFT at the first event, tokens as the last event reports."""
     started, ttft, tokens = time.perf_counter(), None, 0
-    async with client.stream("POST", f"/v2/models/{MODEL}/generate_stream", json=body) as response:
+    async with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if not line.startswith("data:"):
+            if not line or not line.startswith(prefix):
                 continue
             if ttft is None:
                 ttft = time.perf_counter() - started
-            tokens = json.loads(line[5:])["details"]["generated_tokens"]
+            count = tokens_of(json.loads(line[len(prefix):]))
+            tokens = count if count is not None else tokens
     return tokens, ttft or 0.0
+
+
+def _generated_tokens(event: dict) -> int | None:
+    return (event.get("details") or {}).get("generated_tokens")
+
+
+async def _mindie_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
+    body = {"text_input": prompt["text"],
+            "parameters": {"do_sample": False, "max_new_tokens": max_tokens, "details": True}}
+    return await _stream_lines(client, f"/v2/models/{MODEL}/generate_stream", body, "data:",
+                               _generated_tokens)
 
 
 async def _lmi_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
     """LMI rolling batch, JSON lines (the SageMaker default stream)."""
     body = {"inputs": prompt["text"], "stream": True,
             "parameters": {"do_sample": False, "max_new_tokens": max_tokens, "details": True}}
-    started, ttft, tokens = time.perf_counter(), None, 0
-    async with client.stream("POST", f"/predictions/{MODEL}", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line:
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - started
-            item = json.loads(line)
-            if "details" in item:
-                tokens = item["details"]["generated_tokens"]
-    return tokens, ttft or 0.0
+    return await _stream_lines(client, f"/predictions/{MODEL}", body, "", _generated_tokens)
 
 
 async def _tgi_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
-    body = {"inputs": prompt["text"], "parameters": {"max_new_tokens": max_tokens}}
-    started, ttft, tokens = time.perf_counter(), None, 0
-    async with client.stream("POST", "/generate_stream", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - started
-            details = json.loads(line[5:])["details"]
-            if details:
-                tokens = details["generated_tokens"]
-    return tokens, ttft or 0.0
+    body = {"inputs": prompt["text"], "parameters": {"max_new_tokens": max_tokens,
+                                                     "details": True}}
+    return await _stream_lines(client, "/generate_stream", body, "data:", _generated_tokens)
 
 
 class _LMTPConnection:

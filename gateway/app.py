@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.config import GatewayConfig, load_config
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
-from protocols.lmi.errors import LMIError, TGIError
+from protocols.lmi.errors import LMIError, TGIError, frontend_error
 from protocols.lmi.routes import router as lmi_router
 from protocols.lmi.tgi import router as tgi_router
 from protocols.lmtp.routes import router as lmtp_router
@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 _PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/server/metrics"})
 VERSION = "0.1.0"
+_LMI_PATHS = ("/invocations", "/predictions/", "/models/")
+_LMI_ERROR_TYPES = {404: "ResourceNotFoundException", 405: "MethodNotAllowedException"}
+_TGI_PATHS = frozenset({"/generate", "/generate_stream", "/info"})
 
 
 class _BearerAuth:
@@ -77,8 +80,18 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Route-level errors (unknown route, wrong method) in the shape of the protocol the
+        # path belongs to; OpenAI's envelope elsewhere.
+        status, detail = exc.status_code, str(exc.detail)
+        path = request.url.path
+        if path.startswith(_LMI_PATHS):
+            return frontend_error(status, _LMI_ERROR_TYPES.get(status, "ServiceException"),
+                                  detail).response()
+        if path in _TGI_PATHS:
+            return TGIError(status, detail, "validation" if status < 500 else "generation"
+                            ).response()
+        return JSONResponse(error_body(status, detail), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

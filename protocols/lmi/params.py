@@ -225,6 +225,8 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
             raise InvalidParameters("`n` / `best_of` > 1 is only supported without streaming.")
         if not sample:
             raise InvalidParameters("`n` / `best_of` > 1 needs sampling: set `do_sample` to true.")
+        if dialect.name == "tgi" and seed is not None:
+            raise InvalidParameters("`seed` must not be set when `best_of` > 1")  # as TGI
 
     top_n = _integer(p, "top_n_tokens", "logprobs", low=0, high=dialect.max_top_n_tokens) or 0
     # prefill reports each prompt token's own logprob; alternatives have no place in the schema

@@ -139,6 +139,7 @@ def test_n_and_best_of_refused_on_streams():
     ({"temperature": 0}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 1.0}, "top_p"),
     ({"typical_p": 1.0}, "typical_p"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"best_of": 3, "do_sample": True}, "best_of"), ({"top_n_tokens": 6}, "top_n_tokens"),
+    ({"best_of": 2, "do_sample": True, "seed": 1}, "seed"),
 ])
 def test_tgi_ranges_are_stricter(params, field):
     with pytest.raises(InvalidParameters, match=field):

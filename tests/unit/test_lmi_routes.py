@@ -322,3 +322,13 @@ async def test_a_stream_that_stops_short_ends_with_an_error():
         events = _sse(await c.post("/generate_stream", json=BODY), "data:")
         assert events[-1] == {"error": "incomplete generation",
                               "error_type": "incomplete_generation"}
+
+
+async def test_route_errors_in_each_protocols_shape(client):
+    r = await client.get("/invocations")
+    assert r.status_code == 405 and r.json()["type"] == "MethodNotAllowedException"
+    assert set(r.json()) == {"code", "type", "message"}
+    r = await client.get("/generate")
+    assert r.status_code == 405 and set(r.json()) == {"error", "error_type"}
+    r = await client.get("/v1/nope")
+    assert r.status_code == 404 and "error" in r.json() and "message" in r.json()["error"]
