@@ -189,12 +189,13 @@ async def measure(url: str, args) -> list[dict]:
     # Every (round, path) gets its own prompts (same lengths, another seed): reusing prompts
     # would let later runs hit vLLM's prefix cache and skip their prefills.
     seeds = iter(range(1000))
-    for make in PATHS.values():  # warm every path
+    paths = {name: PATHS[name] for name in args.paths}
+    for make in paths.values():  # warm every path
         warm = _prompts(url, 4, 128, seed=next(seeds))
         await _drive("warmup", warm, 4, 8, lambda make=make: make(url))
     rows = []
     for _ in range(args.rounds):
-        for name, make in PATHS.items():
+        for name, make in paths.items():
             prompts = _prompts(url, args.num_prompts, 128, seed=next(seeds))
             row = await _drive(name, prompts, args.concurrency, 64, lambda make=make: make(url))
             print(json.dumps(row), flush=True)
@@ -217,7 +218,7 @@ def summarize(rows: list[dict], args) -> str:
         "| path | output tok/s | median TTFT (ms) | vs OpenAI |",
         "|---|---|---|---|",
     ]
-    for name in PATHS:
+    for name in args.paths:
         tps = mean(name, "tok_per_s")
         lines.append(f"| {labels[name]} | {tps:.1f} | {mean(name, 'median_ttft_ms'):.0f} | "
                      f"{tps / base:.3f}x |")
@@ -230,7 +231,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"comma-separated, openai first (default: {','.join(PATHS)})")
     args = parser.parse_args()
+    args.paths = args.paths.split(",")
+    if args.paths[0] != "openai" or not set(args.paths) <= set(PATHS):
+        parser.error(f"--paths must start with openai and name only {sorted(PATHS)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     proc = None
     url = args.url
