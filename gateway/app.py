@@ -18,12 +18,14 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.config import GatewayConfig, load_config
+from gateway.limits import BodySizeLimit
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
 from protocols.lmi.errors import LMIError, TGIError, frontend_error
 from protocols.lmi.routes import router as lmi_router
 from protocols.lmi.tgi import router as tgi_router
 from protocols.lmtp.routes import router as lmtp_router
+from protocols.mindie.errors import VALIDATION as MINDIE_VALIDATION
 from protocols.mindie.errors import MindIEError
 from protocols.mindie.routes import router as mindie_router
 from protocols.openai.errors import OpenAIError, error_body, error_response
@@ -37,7 +39,8 @@ _PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/server/
 VERSION = "0.1.0"
 _LMI_PATHS = ("/invocations", "/predictions/", "/models/")
 _LMI_ERROR_TYPES = {404: "ResourceNotFoundException", 405: "MethodNotAllowedException"}
-_TGI_PATHS = frozenset({"/generate", "/generate_stream", "/info"})
+_TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
+_MINDIE_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowed"}
 
 
 class _BearerAuth:
@@ -65,6 +68,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     app.state.registry = registry
     app.state.config = config
     app.state.mindie_full_text = config.mindie_full_text
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(MetricsMiddleware)
     if config.api_key:
         app.add_middleware(_BearerAuth, api_key=config.api_key)
@@ -81,8 +85,8 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Route-level errors (unknown route, wrong method) in the shape of the protocol the
-        # path belongs to; OpenAI's envelope elsewhere.
+        # Route-level errors (unknown route, wrong method, body too large) in the shape of the
+        # protocol the path belongs to; OpenAI's envelope elsewhere.
         status, detail = exc.status_code, str(exc.detail)
         path = request.url.path
         if path.startswith(_LMI_PATHS):
@@ -91,6 +95,9 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
         if path in _TGI_PATHS:
             return TGIError(status, detail, "validation" if status < 500 else "generation"
                             ).response()
+        if path.startswith("/v2/"):
+            return MindIEError(status, detail,
+                               _MINDIE_ERROR_TYPES.get(status, MINDIE_VALIDATION)).response()
         return JSONResponse(error_body(status, detail), status_code=status)
 
     @app.exception_handler(RequestValidationError)

@@ -22,6 +22,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
     max_ongoing_requests: int = 1024
+    # Larger request bodies get a 413 in the protocol's shape (DJL's max_request_size default).
+    max_request_bytes: int = 64 * 1024 * 1024
     # MindIE's fullTextEnabled: generate_stream events carry the cumulative text, not deltas.
     mindie_full_text: bool = False
     # Extra names for served models, e.g. {"ensemble": "smollm2-135m-instruct"}.
@@ -34,6 +36,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tgi_model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         names = [m.name for m in self.models]
         if not names:
             raise ValueError("at least one model must be configured")

@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 
 from protocols.internal import ErrorEvent
 
-__all__ = ["MindIEError", "from_event", "invalid"]
+__all__ = ["VALIDATION", "MindIEError", "from_event", "invalid"]
 
 VALIDATION = "Input Validation Error"
 _OF_KIND = {"validation": (422, VALIDATION), "not_found": (404, "NotFoundError"),

@@ -15,6 +15,8 @@ from gateway.config import GatewayConfig
 
 MODEL = EMBEDDED_MODEL_NAME
 APP_NAME = "gateway"
+# Small, so the 413 path is exercised through Ray Serve without shipping 64 MiB bodies.
+MAX_REQUEST_BYTES = 1 << 20
 
 
 def _free_port() -> int:
@@ -42,7 +44,8 @@ def gateway_url():
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = GatewayConfig(models=[ModelConfig(name=MODEL)], aliases={"ensemble": MODEL})
+        config = GatewayConfig(models=[ModelConfig(name=MODEL)], aliases={"ensemble": MODEL},
+                               max_request_bytes=MAX_REQUEST_BYTES)
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 600
