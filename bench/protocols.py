@@ -194,10 +194,11 @@ async def measure(url: str, args) -> list[dict]:
         warm = _prompts(url, 4, 128, seed=next(seeds))
         await _drive("warmup", warm, 4, 8, lambda make=make: make(url))
     rows = []
-    for _ in range(args.rounds):
+    for round_no in range(1, args.rounds + 1):
         for name, make in paths.items():
             prompts = _prompts(url, args.num_prompts, 128, seed=next(seeds))
             row = await _drive(name, prompts, args.concurrency, 64, lambda make=make: make(url))
+            row = {"round": round_no, **row}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -255,6 +256,8 @@ def main() -> None:
             subprocess.run(["ray", "stop", "--force"], capture_output=True)
     summary = summarize(rows, args)
     (RESULTS / "protocols.md").write_text(summary + "\n")
+    # One row per (round, path), for notebooks/protocol_paths.ipynb.
+    (RESULTS / "protocols.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print("\n" + summary)
 
 
