@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from engines.config import ModelConfig  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME, prepare_embedded_model  # noqa: E402
+from engines.vllm.args import engine_args as vllm_engine_args  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 BARE_PORT, GATEWAY_PORT = 8100, 8000
@@ -78,7 +79,7 @@ def _bench(label: str, port: int, model_dir: str, args) -> dict:
 
 def _serve_bare(model_dir: str) -> subprocess.Popen:
     # Exactly the engine args the gateway's replica resolves for this machine.
-    engine_args = ModelConfig().merged_engine_args()
+    engine_args = vllm_engine_args(ModelConfig().engine_args)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", EMBEDDED_MODEL_NAME, "--host", "127.0.0.1",
            "--port", str(BARE_PORT)]

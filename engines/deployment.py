@@ -1,4 +1,4 @@
-"""Ray Serve deployment that hosts one :class:`VLLMEngine` replica.
+"""The Ray Serve deployment that hosts one engine replica, of any engine kind.
 
 Events cross from this replica to the ingress as msgpack-encoded *batches*: whatever the engine
 has produced since the ingress last pulled. When the ingress keeps up that is one event per item
@@ -14,10 +14,18 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from engines.base import ReferenceOutput
 from engines.config import ModelConfig
-from protocols.internal import Event, GenerateRequest, ModelInfo, Prompt, encode_events
+from protocols.internal import (
+    EngineStats,
+    Event,
+    GenerateRequest,
+    ModelInfo,
+    Prompt,
+    encode_events,
+)
 
-__all__ = ["VLLMDeployment", "drain_batches"]
+__all__ = ["EngineDeployment", "drain_batches"]
 
 _END = object()
 
@@ -59,34 +67,35 @@ async def drain_batches(events: AsyncIterator[Event]) -> AsyncIterator[list[Even
 
 
 @serve.deployment(health_check_period_s=10, health_check_timeout_s=60)
-class VLLMDeployment:
-    """Ray Serve replica: the engine contract, with events packed as msgpack batches."""
+class EngineDeployment:
+    """Ray Serve replica: the engine contract over the model's engine kind, with events packed
+    as msgpack batches (``gateway.engine_client.ServeEngineClient`` is the other end)."""
 
     def __init__(self, config: ModelConfig):
-        from engines.vllm_engine import VLLMEngine
+        from engines.host import EngineHost
+        from engines.kinds import create_engine
 
-        self.engine = VLLMEngine(config)
+        self.host = EngineHost(create_engine(config))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
-        async for batch in drain_batches(self.engine.generate(request)):
+        async for batch in drain_batches(self.host.generate(request)):
             yield encode_events(batch)
 
     async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
-        return await self.engine.tokenize(prompt)
+        return await self.host.tokenize(prompt)
 
     async def detokenize(self, token_ids: tuple[int, ...]) -> str:
-        return await self.engine.detokenize(token_ids)
+        return await self.host.detokenize(token_ids)
 
     async def model_info(self) -> ModelInfo:
-        return await self.engine.model_info()
+        return await self.host.model_info()
 
-    async def generate_native(self, prompt: str | list[int], max_tokens: int) -> dict:
-        """vLLM's own greedy completion, bypassing the gateway (for parity checks)."""
-        return await self.engine.generate_native(prompt, max_tokens)
-
-    async def stats(self) -> dict[str, int]:
-        """In-flight and aborted request counts (used by tests and /metrics)."""
-        return {"active": len(self.engine.active), "aborted": self.engine.aborted}
+    async def stats(self) -> EngineStats:
+        return await self.host.stats()
 
     async def check_health(self) -> None:
-        await self.engine.check_health()
+        await self.host.check_health()
+
+    async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
+        """The engine kind's own greedy decoding, bypassing the gateway (parity tests' oracle)."""
+        return await self.host.reference_greedy(prompt, max_tokens)

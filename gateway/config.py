@@ -7,17 +7,20 @@ from typing import Any, Literal
 import msgspec
 
 from engines.config import ModelConfig
+from protocols.catalog import PROTOCOLS
 
 __all__ = ["GatewayConfig", "load_config"]
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``models``: what to serve (default: the embedded SmolLM2). ``api_key``: when set, every
-    protocol route requires ``Authorization: Bearer <api_key>``. ``ingress_num_cpus`` and
-    ``ingress_replicas`` size the FastAPI ingress. The protocol options are documented where they
-    are declared."""
+    """``models``: what to serve (default: the embedded SmolLM2). ``protocols``: which protocol
+    packages to mount, in this order (``protocols.catalog``; default: all). ``api_key``: when
+    set, every protocol route requires ``Authorization: Bearer <api_key>``. ``ingress_num_cpus``
+    and ``ingress_replicas`` size the FastAPI ingress. The protocol options are documented where
+    they are declared."""
 
     models: list[ModelConfig] = msgspec.field(default_factory=lambda: [ModelConfig()])
+    protocols: list[str] = msgspec.field(default_factory=lambda: list(PROTOCOLS))
     api_key: str | None = None
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
@@ -43,6 +46,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError("at least one model must be configured")
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+        unknown = sorted(set(self.protocols) - set(PROTOCOLS))
+        if unknown or not self.protocols or len(set(self.protocols)) != len(self.protocols):
+            raise ValueError(f"protocols must be distinct names from {list(PROTOCOLS)}, got "
+                             f"{self.protocols}")
         dangling = sorted(set(self.aliases.values()) - set(names))
         if dangling:
             raise ValueError(f"aliases point at models that are not served: {dangling}")

@@ -7,7 +7,15 @@ from collections.abc import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
-from protocols.internal import ErrorEvent, Event, GenerateRequest, ModelInfo, Prompt, decode_events
+from protocols.internal import (
+    EngineStats,
+    ErrorEvent,
+    Event,
+    GenerateRequest,
+    ModelInfo,
+    Prompt,
+    decode_events,
+)
 
 __all__ = ["ServeEngineClient"]
 
@@ -15,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class ServeEngineClient:
-    """:class:`protocols.internal.EngineClient` backed by a ``VLLMDeployment`` handle."""
+    """:class:`protocols.internal.EngineClient` backed by an ``EngineDeployment`` handle."""
 
     def __init__(self, handle: DeploymentHandle):
         self._handle = handle
@@ -50,5 +58,5 @@ class ServeEngineClient:
     async def check_health(self) -> None:
         await self._handle.check_health.remote()
 
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> EngineStats:
         return await self._handle.stats.remote()

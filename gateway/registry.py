@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from protocols.internal import EngineClient, ModelInfo
+from protocols.internal import EngineClient, ModelInfo, ModelNotFound, ModelRequired
 
-__all__ = ["ModelNotFound", "ModelRegistry", "ModelRequired"]
-
-
-class ModelNotFound(LookupError):
-    def __init__(self, name: str):
-        super().__init__(f"The model `{name}` does not exist.")
-        self.name = name
-
-
-class ModelRequired(LookupError):
-    def __init__(self) -> None:
-        super().__init__("`model` is required when the gateway serves more than one model.")
+__all__ = ["ModelRegistry"]
 
 
 class ModelRegistry:
-    """Model name → engine. With exactly one model, an omitted name means that model.
+    """Model name → engine (a :class:`~protocols.internal.ModelDirectory`). With exactly one
+    model, an omitted name means that model.
 
     ``aliases`` map extra names onto served models (clients that hard-code a model name, like
     SGLang's Triton benchmark asking for ``ensemble``); they resolve but are not listed.

@@ -8,9 +8,19 @@ Stream contract (what every engine yields for one request):
 
 1. at most one :class:`PromptEvent` first, when prompt token ids or prompt logprobs were asked
    for (``OutputOptions.prompt_logprobs`` / ``echo``);
-2. :class:`TokenEvent` s, one per generated token, in order per choice ``index``;
-3. exactly one :class:`FinalEvent` per choice; the stream ends after the last choice's;
+2. per choice ``index``, in order: :class:`TokenEvent` s, one per token appended to the choice
+   (``forced`` when a controller appended it without sampling: fast-forward), and, only as far
+   as the request's ``OutputOptions.splices`` allows, :class:`BacktrackEvent` s (the choice's
+   last tokens are withdrawn; ``"retract"`` and ``"full"``) and :class:`ForkEvent` s (a new
+   choice starts as a copy of this one, before any event of the new index; ``"full"``). A splice
+   the request does not allow ends the stream with the :class:`ErrorEvent` of
+   :func:`splice_refusal` instead (the engine host enforces this for every engine kind);
+3. exactly one :class:`FinalEvent` per choice; the stream ends after the last choice's. A
+   :class:`TokenEvent` with ``last`` set is its choice's last event before the FinalEvent;
 4. or, instead of (2)/(3) or after some of them, one :class:`ErrorEvent`, which ends the stream.
+
+Refusals are events, never exceptions: a request the engine cannot serve yields one
+:class:`ErrorEvent` first, so every protocol can answer with its own status and shape.
 """
 
 from __future__ import annotations
@@ -21,30 +31,42 @@ from typing import Literal, Protocol
 import msgspec
 
 __all__ = [
+    "BacktrackEvent",
+    "Capabilities",
     "ChatMessage",
     "ChatPrompt",
     "ControllerSpec",
+    "ControllerSupport",
     "EngineClient",
+    "EngineStats",
     "ErrorEvent",
     "ErrorKind",
     "Event",
     "FinalEvent",
     "FinishReason",
+    "ForkEvent",
     "GenerateRequest",
+    "ModelDirectory",
     "ModelInfo",
+    "ModelNotFound",
+    "ModelRequired",
     "OutputOptions",
     "Prompt",
     "PromptEvent",
     "PromptToken",
     "Sampling",
+    "SpliceSupport",
     "TextPrompt",
     "Timings",
     "TokenEvent",
     "TokenPrompt",
     "TopLogprob",
     "Usage",
+    "as_error",
     "decode_events",
     "encode_events",
+    "splice_allowed",
+    "splice_refusal",
 ]
 
 
@@ -113,6 +135,11 @@ class Sampling(_Frozen, kw_only=True):
     best_of: int | None = None
 
 
+# What a consumer can render besides appended tokens: "append" (nothing else: streams that can't
+# take text back), "retract" (backtracks too), "full" (backtracks and forks: new choices).
+SpliceSupport = Literal["append", "retract", "full"]
+
+
 class OutputOptions(_Frozen, kw_only=True):
     """What the protocol wants reported besides the text."""
 
@@ -122,6 +149,7 @@ class OutputOptions(_Frozen, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     token_pieces: bool = False  # fill TokenEvent.piece (protocols that report text per token)
+    splices: SpliceSupport = "append"  # what the protocol can render (module docstring, rule 2)
 
 
 class ControllerSpec(_Frozen, kw_only=True):
@@ -185,15 +213,46 @@ class TokenEvent(_Frozen, tag="token", kw_only=True):
     # several steps (a busy consumer) the whole text lands on the last token.
     piece: str | None = None
     last: bool = False  # the choice's FinalEvent follows immediately (no more tokens come)
+    forced: bool = False  # appended by a controller without sampling (fast-forward); no logprob
     # Engine-side measurements, for protocols that report per-token timing (MindIE):
     elapsed_s: float = 0.0  # since the engine received the request, when this token was produced
     batch_size: int = 0  # requests in flight in this engine replica at that moment
     queue_s: float | None = None  # on a choice's first token: admitted → first scheduled
 
 
+class BacktrackEvent(_Frozen, tag="backtrack", kw_only=True):
+    """The last ``count`` tokens of choice ``index`` are withdrawn; ``text`` is the text their
+    TokenEvents had added, so consumers that keep text can cut exactly that much."""
+
+    index: int = 0
+    count: int
+    text: str = ""
+
+
+class ForkEvent(_Frozen, tag="fork", kw_only=True):
+    """Choice ``index`` is new and starts as a copy of choice ``parent`` as it stands now (its
+    tokens and text); events of either choice follow independently."""
+
+    index: int
+    parent: int = 0
+
+
 class Usage(_Frozen, kw_only=True):
+    """Per choice. ``completion_tokens``: tokens in the choice's output as finally returned
+    (after backtracks; a fork counts what it inherited). ``forced_tokens``: tokens appended to
+    it without sampling; ``sampled_tokens``: tokens its sampler drew, retracted ones included
+    (``None``: no splices happened, so ``completion_tokens - forced_tokens``)."""
+
     prompt_tokens: int
     completion_tokens: int
+    forced_tokens: int = 0
+    sampled_tokens: int | None = None
+
+    @property
+    def sampled(self) -> int:
+        if self.sampled_tokens is not None:
+            return self.sampled_tokens
+        return self.completion_tokens - self.forced_tokens
 
 
 class Timings(_Frozen, kw_only=True):
@@ -220,7 +279,48 @@ class ErrorEvent(_Frozen, tag="error", kw_only=True):
     param: str | None = None
 
 
-Event = PromptEvent | TokenEvent | FinalEvent | ErrorEvent
+Event = PromptEvent | TokenEvent | BacktrackEvent | ForkEvent | FinalEvent | ErrorEvent
+
+
+def splice_allowed(event: BacktrackEvent | ForkEvent, support: SpliceSupport) -> bool:
+    if isinstance(event, BacktrackEvent):
+        return support != "append"
+    return support == "full"
+
+
+def as_error(event: ErrorEvent | BacktrackEvent | ForkEvent) -> ErrorEvent:
+    """What ends a stream that can only grow: an error, or a splice it cannot show."""
+    return event if isinstance(event, ErrorEvent) else splice_refusal(event)
+
+
+def splice_refusal(event: BacktrackEvent | ForkEvent) -> ErrorEvent:
+    """The error that ends a stream whose consumer cannot render ``event``."""
+    what = "withdrew tokens" if isinstance(event, BacktrackEvent) else "forked into a new choice"
+    return ErrorEvent(kind="validation", param="controller", message=(
+        f"the controller {what}, which this response cannot show; send the request without "
+        f"streaming"))
+
+
+# --- models and what their engines can do ---------------------------------------------------
+
+ControllerSupport = Literal["none", "mask", "splice"]
+
+
+class Capabilities(_Frozen, kw_only=True):
+    """What an engine kind can serve; admission refuses anything beyond it, for every protocol.
+
+    ``controllers``: "none", "mask" (per-step logit masks only) or "splice" (masks plus
+    fast-forward, backtrack and fork). ``max_logprobs`` / ``max_prompt_logprobs``: the most
+    alternatives per position (``None``: not reported at all). ``best_of_above_n``: whether
+    extra candidates can be drawn and ranked (vLLM v1 cannot).
+    """
+
+    controllers: ControllerSupport = "none"
+    max_logprobs: int | None = 20
+    max_prompt_logprobs: int | None = 20
+    max_n: int = 128
+    best_of_above_n: bool = False
+    priority: bool = True
 
 
 class ModelInfo(_Frozen, kw_only=True):
@@ -229,7 +329,28 @@ class ModelInfo(_Frozen, kw_only=True):
     max_model_len: int
     vocab_size: int
     eos_token_id: int | None = None
-    engine: str = "vllm"
+    engine: str = "vllm"  # the engine kind serving it (ModelConfig.engine)
+    dtype: str = "float32"  # what the engine computes in; numeric tolerances follow it
+    capabilities: Capabilities = Capabilities()
+
+
+class EngineStats(_Frozen, kw_only=True):
+    """Requests in flight in one engine replica, and how many were cancelled before finishing
+    (client disconnects)."""
+
+    active: int = 0
+    aborted: int = 0
+
+
+class ModelNotFound(LookupError):
+    def __init__(self, name: str):
+        super().__init__(f"The model `{name}` does not exist.")
+        self.name = name
+
+
+class ModelRequired(LookupError):
+    def __init__(self) -> None:
+        super().__init__("`model` is required when the gateway serves more than one model.")
 
 
 # --- the engine contract --------------------------------------------------------------------
@@ -252,6 +373,24 @@ class EngineClient(Protocol):
     async def model_info(self) -> ModelInfo: ...
 
     async def check_health(self) -> None: ...
+
+    async def stats(self) -> EngineStats: ...
+
+
+class ModelDirectory(Protocol):
+    """Routing by model name, as protocols see it (the gateway's registry implements it).
+
+    ``resolve`` raises :class:`ModelNotFound` or :class:`ModelRequired` (name omitted while
+    several models are served); ``info`` is cached per model.
+    """
+
+    def names(self) -> list[str]: ...
+
+    def items(self) -> list[tuple[str, EngineClient]]: ...
+
+    def resolve(self, name: str | None) -> tuple[str, EngineClient]: ...
+
+    async def info(self, name: str) -> ModelInfo: ...
 
 
 # --- wire codec between processes (engine replica ↔ ingress) -------------------------------

@@ -8,9 +8,16 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
-from protocols.internal import ErrorEvent, Event, FinalEvent, TokenEvent
+from protocols.internal import (
+    BacktrackEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    ForkEvent,
+    TokenEvent,
+)
 
-__all__ = ["Peeked", "merge", "peek", "reindexed"]
+__all__ = ["Peeked", "fold_splices", "merge", "peek", "reindexed"]
 
 
 class Peeked:
@@ -51,9 +58,36 @@ async def peek(events: AsyncIterator[Event]) -> Peeked:
 async def reindexed(events: AsyncIterator[Event], base: int) -> AsyncIterator[Event]:
     """Shift choice indices by ``base`` (one sub-request of a multi-prompt request)."""
     async for event in events:
-        if base and isinstance(event, (TokenEvent, FinalEvent)):
+        if base and isinstance(event, (TokenEvent, FinalEvent, BacktrackEvent)):
             event = msgspec.structs.replace(event, index=event.index + base)
+        elif base and isinstance(event, ForkEvent):
+            event = ForkEvent(index=event.index + base, parent=event.parent + base)
         yield event
+
+
+async def fold_splices(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """For whole (non-streamed) responses: apply backtracks and forks, so collectors that only
+    append see each choice's final tokens. Tokens are held per choice until its FinalEvent
+    (a fork's copy is re-indexed); prompt and error events pass straight through."""
+    held: dict[int, list[TokenEvent]] = {}
+    async for event in events:
+        if isinstance(event, TokenEvent):
+            held.setdefault(event.index, []).append(event)
+        elif isinstance(event, FinalEvent):
+            for token in held.pop(event.index, ()):
+                yield token
+            yield event
+        elif isinstance(event, BacktrackEvent):
+            tokens = held.get(event.index, [])
+            del tokens[max(0, len(tokens) - event.count):]
+        elif isinstance(event, ForkEvent):
+            held[event.index] = [msgspec.structs.replace(t, index=event.index)
+                                 for t in held.get(event.parent, ())]
+        else:
+            yield event
+    for tokens in held.values():  # the stream broke off: what was generated still counts
+        for token in tokens:
+            yield token
 
 
 _END = object()

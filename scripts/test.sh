@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install what is needed, then run lint, the unit tests and the end-to-end tests (real vLLM
+# Install what is needed, then run lint, the layering contracts (import-linter, see
+# pyproject.toml), the unit tests, the engine contract suite and the end-to-end tests (real vLLM
 # behind Ray Serve; one engine for the whole session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,4 +8,6 @@ bash scripts/install.sh
 PY="${PYTHON:-python3}"
 export RAY_USAGE_STATS_ENABLED=0
 "$PY" -m ruff check .
+# The console script next to this interpreter (no `python -m` entry point exists).
+"$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))')/lint-imports"
 exec "$PY" -m pytest -ra "$@"

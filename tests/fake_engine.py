@@ -1,21 +1,33 @@
-"""A deterministic in-process engine implementing the engine contract, for protocol unit tests.
+"""A deterministic in-process engine kind for protocol unit tests and the engine contract suite.
 
-Tokenizer: one token per character (id = code point). Generation: choice ``i`` emits the
-characters of ``reply`` (default "abcdefgh...") cycling, each with logprob ``-0.1 * (k+1)``; EOS
-(id 0) ends it when ``reply`` runs out, unless ``ignore_eos``. A stop string ends the choice
-with ``stop_sequence``.
+:class:`FakeModel` is an :class:`engines.base.Engine`: tokenizer one token per character (id =
+code point); choice ``i`` emits the characters of ``reply`` (default "Hello world") cycling, each
+with logprob ``-0.1 * (k+1)``; EOS (id 0) ends it when ``reply`` runs out, unless ``ignore_eos``;
+a stop string ends the choice with ``stop_sequence``. :class:`FakeEngine` is that model behind the
+real :class:`engines.host.EngineHost`, so admission, deadlines and accounting are the product's.
+
+Controllers: with ``controllers="splice"``, a request whose controller is ``fake-splice`` gets
+the edits its JSON ``arg`` asks for: ``{"ff": "ab"}`` forces those characters first,
+``{"backtrack": k}`` withdraws the last ``k`` reply tokens and then appends ``"!"``,
+``{"fork": m}`` forks choice 0 into ``m`` more choices at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
+from engines.base import Admitted
+from engines.host import EngineHost
 from protocols.internal import (
+    BacktrackEvent,
+    Capabilities,
     ChatPrompt,
-    ErrorEvent,
+    ControllerSupport,
     Event,
     FinalEvent,
+    ForkEvent,
     GenerateRequest,
     ModelInfo,
     Prompt,
@@ -32,51 +44,38 @@ MAX_MODEL_LEN = 64
 VOCAB = 0x110000
 
 
-class FakeEngine:
-    def __init__(self, name: str = "fake-model", reply: str = "Hello world", delay: float = 0.0):
+class FakeModel:
+    """The fake engine kind (``engines.base.Engine``)."""
+
+    def __init__(self, name: str, reply: str, delay: float, controllers: ControllerSupport):
         self.name = name
         self.reply = reply
         self.delay = delay
-        self.requests: list[GenerateRequest] = []
+        self.controllers = controllers
         self.cancelled: list[str] = []
-        self.active: set[str] = set()
 
-    async def model_info(self) -> ModelInfo:
+    def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.name, root=f"/models/{self.name}", max_model_len=MAX_MODEL_LEN,
-                         vocab_size=VOCAB, eos_token_id=0)
+                         vocab_size=VOCAB, eos_token_id=0, engine="fake",
+                         capabilities=Capabilities(controllers=self.controllers))
 
     async def check_health(self) -> None:
         return None
 
-    def _render(self, prompt: Prompt) -> tuple[int, ...]:
+    def render(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TokenPrompt):
-            return prompt.token_ids
+            return list(prompt.token_ids)
         if isinstance(prompt, TextPrompt):
-            return tuple(ord(c) for c in prompt.text)
+            return [ord(c) for c in prompt.text]
         assert isinstance(prompt, ChatPrompt)
         text = "".join(f"<{m.role}>{m.content}" for m in prompt.messages) + "<assistant>"
-        return tuple(ord(c) for c in text)
+        return [ord(c) for c in text]
 
-    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
-        return self._render(prompt)
-
-    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
+    def detokenize(self, token_ids: tuple[int, ...]) -> str:
         return "".join(chr(t) for t in token_ids)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        self.requests.append(request)
-        ids = self._render(request.prompt)
-        s = request.sampling
-        if not ids:
-            yield ErrorEvent(kind="validation", message="prompt is empty", param="prompt")
-            return
-        room = MAX_MODEL_LEN - len(ids)
-        max_tokens = room if s.max_tokens is None else s.max_tokens
-        if max_tokens > room:
-            yield ErrorEvent(kind="validation", message="context length exceeded",
-                             param="max_tokens")
-            return
-        self.active.add(request.request_id)
+    async def stream(self, request: GenerateRequest, admitted: Admitted) -> AsyncIterator[Event]:
+        ids = admitted.prompt_ids
         try:
             if request.output.echo or request.output.prompt_logprobs is not None:
                 yield PromptEvent(
@@ -85,28 +84,34 @@ class FakeEngine:
                                              logprob=None if i == 0 else -float(i))
                                  for i, t in enumerate(ids)),
                 )
-            for index in range(s.n):
-                async for event in self._choice(request, index, len(ids), max_tokens):
+            script = {}
+            if request.controller is not None and request.controller.module == "fake-splice":
+                script = json.loads(request.controller.arg or "{}")
+            for index in range(request.sampling.n):
+                async for event in self._choice(request, index, len(ids), admitted.max_tokens,
+                                                script if index == 0 else {}):
                     yield event
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(request.request_id)
             raise
-        except GeneratorExit:
-            self.cancelled.append(request.request_id)
-            raise
-        finally:
-            self.active.discard(request.request_id)
 
-    async def _choice(self, request, index, prompt_len, max_tokens) -> AsyncIterator[Event]:
+    async def _choice(self, request, index, prompt_len, max_tokens, script) -> AsyncIterator[Event]:
         s, k = request.sampling, request.output.logprobs
+        forced = [TokenEvent(index=index, token_id=ord(c), text=c, forced=True)
+                  for c in script.get("ff", "")]
+        for event in forced:
+            yield event
+        spliced = bool(script.get("backtrack") or script.get("fork"))
         text = ""
-        for step in range(max_tokens):
+        steps = max_tokens - len(forced)
+        for step in range(steps):
             if self.delay:
                 await asyncio.sleep(self.delay)
             if step >= len(self.reply) and not s.ignore_eos:
                 yield TokenEvent(index=index, token_id=0, text="", logprob=-0.01, special=True,
-                                 last=True)
-                yield self._final(index, "eos", None, prompt_len, step + 1)
+                                 last=not spliced)
+                for event in self._end(index, "eos", None, prompt_len, step + 1, script, text):
+                    yield event
                 return
             char = self.reply[step % len(self.reply)]
             text += char
@@ -116,15 +121,57 @@ class FakeEngine:
             yield TokenEvent(index=index, token_id=ord(char), text=char,
                              logprob=logprob if k is not None else None, top_logprobs=top,
                              token_text=char if k is not None else None,
-                             last=stop is not None or step == max_tokens - 1,
-                             elapsed_s=0.01 * (step + 1), batch_size=len(self.active),
+                             last=not spliced and (stop is not None or step == steps - 1),
+                             elapsed_s=0.01 * (step + 1), batch_size=1,
                              queue_s=0.002 if step == 0 else None)
             if stop is not None:
-                yield self._final(index, "stop_sequence", stop, prompt_len, step + 1)
+                for event in self._end(index, "stop_sequence", stop, prompt_len, step + 1, script,
+                                       text):
+                    yield event
                 return
-        yield self._final(index, "length", None, prompt_len, max_tokens)
+        for event in self._end(index, "length", None, prompt_len, steps, script, text):
+            yield event
 
     @staticmethod
-    def _final(index, reason, stop_reason, prompt_len, completion) -> FinalEvent:
-        return FinalEvent(index=index, finish_reason=reason, stop_reason=stop_reason,
-                          usage=Usage(prompt_tokens=prompt_len, completion_tokens=completion))
+    def _end(index, reason, stop_reason, prompt_len, generated, script, text) -> list[Event]:
+        """The scripted splices, then the final events of the choice and of its forks."""
+        events: list[Event] = []
+        forced = len(script.get("ff", ""))
+        backtrack = script.get("backtrack", 0)
+        if backtrack:
+            events.append(BacktrackEvent(index=index, count=backtrack, text=text[-backtrack:]))
+            events.append(TokenEvent(index=index, token_id=ord("!"), text="!"))
+            generated += 1
+        forks = [index + 1 + j for j in range(script.get("fork", 0))]
+        events.extend(ForkEvent(index=fork, parent=index) for fork in forks)
+        completion = forced + generated - backtrack
+        usage = Usage(prompt_tokens=prompt_len, completion_tokens=completion,
+                      forced_tokens=forced, sampled_tokens=generated if script else None)
+        inherited = Usage(prompt_tokens=prompt_len, completion_tokens=completion, sampled_tokens=0)
+        events.extend(FinalEvent(index=fork, finish_reason=reason, stop_reason=stop_reason,
+                                 usage=inherited) for fork in forks)
+        events.append(FinalEvent(index=index, finish_reason=reason, stop_reason=stop_reason,
+                                 usage=usage))
+        return events
+
+
+class FakeEngine(EngineHost):
+    """The fake kind behind the real host: what unit tests register as a model's engine.
+
+    ``requests`` lists every request the protocols sent (admitted or not); ``cancelled`` the
+    ones whose stream was cancelled or closed before it finished.
+    """
+
+    def __init__(self, name: str = "fake-model", reply: str = "Hello world", delay: float = 0.0,
+                 controllers: ControllerSupport = "none"):
+        self.model = FakeModel(name, reply, delay, controllers)
+        super().__init__(self.model)
+        self.requests: list[GenerateRequest] = []
+
+    @property
+    def cancelled(self) -> list[str]:
+        return self.model.cancelled
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.requests.append(request)
+        return super().generate(request)

@@ -10,19 +10,24 @@ The app must carry ``app.state.registry`` and ``app.state.config`` (a ``GatewayC
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.internal import EngineClient, ErrorEvent, GenerateRequest, TextPrompt, TokenPrompt
-from protocols.lmi.encode import (
+from protocols.internal import EngineClient, ModelNotFound, ModelRequired
+from protocols.lmi.errors import (
+    dynamic_error,
+    frontend_error,
+    generation_error,
+    payload_error,
+)
+from protocols.openai import serving as openai_serving
+from protocols.streams import Peeked
+from protocols.textgen.encode import (
     GenerationFailed,
     LMIWriter,
-    ResponseMeta,
     TGIWriter,
     best_sequence,
     collect,
@@ -33,13 +38,7 @@ from protocols.lmi.encode import (
     sse,
     stream_objects,
 )
-from protocols.lmi.errors import (
-    dynamic_error,
-    frontend_error,
-    generation_error,
-    payload_error,
-)
-from protocols.lmi.params import (
+from protocols.textgen.params import (
     LMI,
     LMI_TGI_COMPAT,
     Generation,
@@ -48,49 +47,16 @@ from protocols.lmi.params import (
     parse_body,
     parse_parameters,
 )
-from protocols.streams import Peeked, peek
+from protocols.textgen.serving import STREAM_HEADERS, response_meta, start_generation
 
-__all__ = ["STREAM_HEADERS", "response_meta", "router", "start_generation"]
+__all__ = ["router"]
 
 router = APIRouter()
 
-STREAM_HEADERS = {"Cache-Control": "no-cache"}
 _NO_PAYLOAD = "Input parsing failed: invalid payload. must contain prompt, inputs, or messages"
 
 
-async def start_generation(engine: EngineClient, model: str, inputs: str,
-                           gen: Generation) -> Peeked:
-    """Submit one prompt and peek its first event. Raises :class:`GenerationFailed`."""
-    prompt: TextPrompt | TokenPrompt = TextPrompt(text=inputs)
-    if gen.truncate is not None:  # TGI / lmi-dist `truncate`: keep the last N prompt tokens
-        try:
-            ids = await engine.tokenize(prompt)
-        except Exception as exc:
-            raise GenerationFailed(ErrorEvent(kind="engine", message=f"tokenize: {exc}")) from exc
-        if len(ids) > gen.truncate:
-            prompt = TokenPrompt(token_ids=ids[-gen.truncate:])
-    request = GenerateRequest(request_id=uuid.uuid4().hex, model=model, prompt=prompt,
-                              sampling=gen.sampling, output=gen.output)
-    peeked = await peek(engine.generate(request))
-    if peeked.error is not None:
-        raise GenerationFailed(peeked.error)
-    return peeked
-
-
-async def response_meta(request: Request, model: str, inputs: str,
-                        gen: Generation) -> ResponseMeta:
-    try:
-        eos_token_id = (await request.app.state.registry.info(model)).eos_token_id
-    except Exception as exc:
-        raise GenerationFailed(ErrorEvent(kind="engine", message=f"model info: {exc}")) from exc
-    return ResponseMeta(inputs=inputs, details=gen.details, return_full_text=gen.return_full_text,
-                        prefill=gen.prefill, top_n_tokens=gen.top_n_tokens, seed=gen.seed,
-                        eos_token_id=eos_token_id)
-
-
 def _resolve(request: Request, name: Any) -> tuple[str, EngineClient]:
-    from gateway.registry import ModelNotFound, ModelRequired
-
     if name is not None and not isinstance(name, str):
         raise frontend_error(400, "BadRequestException",
                              f"model_name must be a string, got {name!r}.")
@@ -108,16 +74,6 @@ async def _decode(request: Request) -> Any:
         return decode_json(await request.body())
     except InvalidParameters as exc:
         raise payload_error(f"Input parsing failed: {exc}") from None
-
-
-def _with_body(request: Request, body: dict) -> Request:
-    """The same HTTP request carrying another JSON body (for the OpenAI handlers)."""
-    data = msgspec.json.encode(body)
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": data, "more_body": False}
-
-    return Request(request.scope, receive)
 
 
 @router.post("/invocations")
@@ -147,13 +103,18 @@ async def _invoke(request: Request, body: Any, name: str | None):
                             "(X-Amzn-SageMaker-Adapter-Identifier).")
     if "inputs" in body:
         return await _lmi(request, body, name, engine)
-    from protocols.openai import routes as openai_routes
-
     if "messages" in body:
-        return await openai_routes.chat_completions(_with_body(request, {**body, "model": name}))
+        return await _openai(request, openai_serving.chat_completions, {**body, "model": name})
     if "prompt" in body:
-        return await openai_routes.completions(_with_body(request, {**body, "model": name}))
+        return await _openai(request, openai_serving.completions, {**body, "model": name})
     raise payload_error(_NO_PAYLOAD)
+
+
+async def _openai(request: Request, handler, body: dict) -> Response:
+    """An OpenAI-shaped body, answered by OpenAI's serving layer as newer LMI containers do
+    (OpenAI's shapes and errors, ``x-request-id`` echoed)."""
+    result = await handler(body, request.app.state.registry)
+    return openai_serving.as_response(result, request.headers.get("x-request-id"))
 
 
 def _wants_sse(request: Request, default_formatter: str) -> bool:
@@ -178,7 +139,7 @@ async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
         return await _dynamic(engine, name, inputs, gen, stream=bool(stream))
     writer = TGIWriter(with_inputs=True) if compat else LMIWriter()
     try:
-        meta = await response_meta(request, name, inputs, gen)
+        meta = await response_meta(request.app.state.registry, name, inputs, gen)
         peeked = await start_generation(engine, name, inputs, gen)
     except GenerationFailed as exc:
         raise generation_error(exc.event) from None

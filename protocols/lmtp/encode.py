@@ -10,7 +10,16 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
-from protocols.internal import ErrorEvent, Event, FinalEvent, PromptEvent, TokenEvent
+from protocols.internal import (
+    BacktrackEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    ForkEvent,
+    PromptEvent,
+    TokenEvent,
+    as_error,
+)
 
 __all__ = ["generate_items", "score_items"]
 
@@ -46,10 +55,10 @@ async def generate_items(events: AsyncIterator[Event], stream_id: Any) -> AsyncI
     """
     pending: dict[str, Any] | None = None
     async for event in events:
-        if isinstance(event, ErrorEvent):
-            if pending is not None:
+        if isinstance(event, (ErrorEvent, BacktrackEvent, ForkEvent)):
+            if pending is not None:  # LMTP streams only grow: a splice ends one like an error
                 yield pending
-            yield _error(stream_id, event.message)
+            yield _error(stream_id, as_error(event).message)
             return
         if isinstance(event, TokenEvent):
             if pending is not None:  # a 'last' token that was not the last after all

@@ -13,8 +13,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from protocols.internal import ErrorEvent, Event, FinalEvent, TokenEvent
+from protocols.internal import (
+    BacktrackEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    ForkEvent,
+    TokenEvent,
+    as_error,
+)
 from protocols.mindie.errors import from_event
+from protocols.streams import fold_splices
 
 __all__ = ["ResponseMeta", "collect_response", "finish_reason", "sse", "stream_events"]
 
@@ -74,8 +83,8 @@ async def stream_events(events: AsyncIterator[Event], meta: ResponseMeta) -> Asy
         return out
 
     async for item in events:
-        if isinstance(item, ErrorEvent):
-            exc = from_event(item)
+        if isinstance(item, (ErrorEvent, BacktrackEvent, ForkEvent)):
+            exc = from_event(as_error(item))  # a stream only grows: a splice ends it
             yield {"error": exc.message, "error_type": "Generation Error"}
             return
         if isinstance(item, TokenEvent):
@@ -99,14 +108,17 @@ async def sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
 
 
 async def collect_response(events: AsyncIterator[Event], meta: ResponseMeta) -> dict:
-    """The non-streaming body; an error raises :class:`MindIEError`."""
+    """The non-streaming body (backtracks applied; MindIE has one sequence, so only choice 0
+    is reported); an error raises :class:`~protocols.errors.EnvelopeError`."""
     text: list[str] = []
     batch_sizes: list[int] = []
     queue_wait: list[int] = []
     final: FinalEvent | None = None
-    async for item in events:
+    async for item in fold_splices(events):
         if isinstance(item, ErrorEvent):
             raise from_event(item)
+        if getattr(item, "index", 0) != 0:
+            continue
         if isinstance(item, TokenEvent):
             text.append(item.text)
             batch_sizes.append(item.batch_size)

@@ -2,35 +2,30 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from starlette.responses import Response
 
+from protocols.errors import EnvelopeError
 from protocols.internal import ErrorEvent
 
-__all__ = ["VALIDATION", "MindIEError", "from_event", "invalid"]
+__all__ = ["NOT_FOUND", "from_event", "invalid", "route_error"]
 
 VALIDATION = "Input Validation Error"
-_OF_KIND = {"validation": (422, VALIDATION), "not_found": (404, "NotFoundError"),
+NOT_FOUND = "NotFoundError"
+_OF_KIND = {"validation": (422, VALIDATION), "not_found": (404, NOT_FOUND),
             "overloaded": (503, "Service Unavailable"), "engine": (424, "Generation Error")}
+# Route-level errors (no route, wrong method, body too large); other 4xx read as validation.
+_OF_ROUTE_STATUS = {404: NOT_FOUND, 405: "MethodNotAllowed"}
 
 
-class MindIEError(Exception):
-    def __init__(self, status: int, message: str, error_type: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-
-    def body(self) -> dict[str, str]:
-        return {"error": self.message, "error_type": self.error_type}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+def invalid(message: str) -> EnvelopeError:
+    return EnvelopeError(422, message, VALIDATION)
 
 
-def invalid(message: str) -> MindIEError:
-    return MindIEError(422, message, VALIDATION)
-
-
-def from_event(event: ErrorEvent) -> MindIEError:
+def from_event(event: ErrorEvent) -> EnvelopeError:
     status, error_type = _OF_KIND[event.kind]
-    return MindIEError(status, event.message, error_type)
+    return EnvelopeError(status, event.message, error_type)
+
+
+def route_error(status: int, message: str) -> Response:
+    """An HTTP-level error on a ``/v2`` path, in MindIE's body."""
+    return EnvelopeError(status, message, _OF_ROUTE_STATUS.get(status, VALIDATION)).response()

@@ -1,6 +1,6 @@
 """MindIE / Triton v2 ``generate`` and ``generate_stream``, plus the KServe v2 probes clients send.
 
-The app must carry a model registry at ``app.state.registry``. Streams are peeked, so errors
+Streams are peeked, so errors
 found before the first token are plain JSON with a real status, even on ``generate_stream``.
 """
 
@@ -12,9 +12,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from protocols.errors import EnvelopeError
 from protocols.internal import EngineClient
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
-from protocols.mindie.errors import MindIEError, from_event
+from protocols.mindie.errors import NOT_FOUND, from_event
 from protocols.mindie.validate import to_request
 from protocols.streams import peek
 
@@ -27,22 +28,22 @@ def _resolve(request: Request, model: str) -> tuple[str, EngineClient]:
     try:
         return request.app.state.registry.resolve(model)
     except LookupError:
-        raise MindIEError(404, f"Model {model} not found.", "NotFoundError") from None
+        raise EnvelopeError(404, f"Model {model} not found.", NOT_FOUND) from None
 
 
 async def _start(request: Request, model: str):
     try:
         body = msgspec.json.decode(await request.body())
     except (msgspec.DecodeError, RecursionError) as exc:
-        raise MindIEError(422, f"Invalid JSON body: {exc}", "validation") from None
+        raise EnvelopeError(422, f"Invalid JSON body: {exc}", "validation") from None
     name, engine = _resolve(request, model)
     info = await request.app.state.registry.info(name)
     internal, options = to_request(body, name, info.vocab_size, uuid.uuid4().hex[:16])
     peeked = await peek(engine.generate(internal))
     if peeked.error is not None:
         raise from_event(peeked.error)
-    full_text = getattr(request.app.state, "mindie_full_text", False)
-    meta = ResponseMeta(id=options.id, model=model, details=options.details, full_text=full_text)
+    meta = ResponseMeta(id=options.id, model=model, details=options.details,
+                        full_text=request.app.state.config.mindie_full_text)
     return meta, peeked
 
 
@@ -62,9 +63,9 @@ async def generate_stream(request: Request, model: str) -> StreamingResponse:
 @router.post("/v2/models/{model}/versions/{version}/generate")
 @router.post("/v2/models/{model}/versions/{version}/generate_stream")
 async def versioned(model: str, version: str) -> JSONResponse:
-    raise MindIEError(404, f"Model versions are not supported: send the request to "
+    raise EnvelopeError(404, f"Model versions are not supported: send the request to "
                       f"/v2/models/{model}/generate[_stream] without /versions/{version}.",
-                      "NotFoundError")
+                      NOT_FOUND)
 
 
 @router.get("/v2/health/live")
@@ -91,8 +92,9 @@ async def server_metadata(request: Request) -> dict:
 
 @router.get("/v2/models/{model}")
 async def model_metadata(request: Request, model: str) -> dict:
-    _resolve(request, model)
-    return {"name": model, "versions": ["1"], "platform": "vllm",
+    name, _ = _resolve(request, model)
+    info = await request.app.state.registry.info(name)
+    return {"name": model, "versions": ["1"], "platform": info.engine,
             "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
             "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]}
 

@@ -10,8 +10,18 @@ from typing import Literal
 
 import msgspec
 
-from protocols.internal import ErrorEvent, Event, FinalEvent, PromptEvent, TokenEvent
+from protocols.internal import (
+    BacktrackEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    ForkEvent,
+    PromptEvent,
+    TokenEvent,
+    splice_refusal,
+)
 from protocols.openai.errors import error_body, from_event
+from protocols.streams import fold_splices
 
 __all__ = [
     "ChunkMeta",
@@ -122,6 +132,9 @@ async def completion_chunks(
             counter.final(event)
             choice = {"index": event.index, "text": event.text, "logprobs": None,
                       "finish_reason": openai_finish_reason(event), "stop_reason": event.stop_reason}
+        elif isinstance(event, (BacktrackEvent, ForkEvent)):  # a stream can't take text back
+            yield _error_chunk(splice_refusal(event))
+            return
         else:
             continue
         chunk = {**head, "choices": [choice]}
@@ -169,6 +182,9 @@ async def chat_chunks(
             yield wrap({"index": event.index, "delta": delta, "logprobs": None,
                         "finish_reason": openai_finish_reason(event),
                         "stop_reason": event.stop_reason})
+        elif isinstance(event, (BacktrackEvent, ForkEvent)):  # a stream can't take text back
+            yield _error_chunk(splice_refusal(event))
+            return
     if usage != "none":
         yield {**head, "choices": [], "usage": counter.as_dict()}
 
@@ -194,10 +210,11 @@ class Collected:
 
 
 async def collect(events: AsyncIterator[Event], n: int) -> Collected:
-    """Fold a whole event stream for a non-streaming response; an error raises OpenAIError."""
+    """Fold a whole event stream for a non-streaming response; an error raises OpenAIError.
+    Backtracks are applied; forks become extra choices."""
     choices: dict[int, _Choice] = {}
     counter = _UsageCounter(n)
-    async for event in events:
+    async for event in fold_splices(events):
         if isinstance(event, ErrorEvent):
             raise from_event(event)
         if isinstance(event, TokenEvent):

@@ -6,16 +6,17 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
+from protocols.errors import ProtocolError
 from protocols.internal import ErrorEvent
 
-__all__ = ["OpenAIError", "error_body", "error_response", "from_event"]
+__all__ = ["OpenAIError", "error_body", "error_response", "from_event", "route_error"]
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": 429, "engine": 500}
 
 
-class OpenAIError(Exception):
+class OpenAIError(ProtocolError):
     """Raised anywhere in the OpenAI routes; rendered as the envelope with ``status``."""
 
     def __init__(self, status: int, message: str, param: str | None = None):
@@ -23,6 +24,9 @@ class OpenAIError(Exception):
         self.status = status
         self.message = message
         self.param = param
+
+    def response(self) -> JSONResponse:
+        return error_response(self)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -32,6 +36,11 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def error_response(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status)
+
+
+def route_error(status: int, message: str) -> JSONResponse:
+    """An HTTP-level error (no route, wrong method, body too large, ...) in the envelope."""
+    return JSONResponse(error_body(status, message), status_code=status)
 
 
 def from_event(event: ErrorEvent) -> OpenAIError:

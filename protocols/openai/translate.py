@@ -40,11 +40,14 @@ _MAX_N = 128
 T = TypeVar("T")
 
 
-def decode_body(raw: bytes, schema: type[T]) -> T:
-    """Decode and type-check a JSON body; malformed JSON and type errors are 400s."""
-    if not raw.strip():
+def decode_body(raw: bytes | dict, schema: type[T]) -> T:
+    """Decode and type-check a JSON body (bytes, or a JSON object another protocol already
+    decoded); malformed JSON and type errors are 400s."""
+    if not isinstance(raw, dict) and not raw.strip():
         raise OpenAIError(400, "request body is empty; expected a JSON object")
     try:
+        if isinstance(raw, dict):
+            return msgspec.convert(raw, schema)
         return msgspec.json.decode(raw, type=schema)
     except msgspec.ValidationError as exc:
         raise OpenAIError(400, f"invalid request: {exc}", _param_of(exc)) from None

@@ -1,74 +1,13 @@
-"""One real gateway (Ray Serve + vLLM on the embedded model) for the whole test session."""
+"""Clients for the end-to-end tests (the session gateway itself is ``tests.serve_session``)."""
 
 from __future__ import annotations
-
-import os
-import socket
-import time
 
 import httpx
 import pytest
 
-from engines.config import ModelConfig
-from engines.embedded import EMBEDDED_MODEL_NAME
-from gateway.config import GatewayConfig
+from tests.serve_session import APP_NAME, MAX_REQUEST_BYTES, MODEL, _free_port
 
-MODEL = EMBEDDED_MODEL_NAME
-APP_NAME = "gateway"
-# Small, so the 413 path is exercised through Ray Serve without shipping 64 MiB bodies.
-MAX_REQUEST_BYTES = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if "/e2e/" in str(item.fspath):
-            item.add_marker(pytest.mark.e2e)
-
-
-@pytest.fixture(scope="session")
-def gateway_url():
-    import ray
-    from ray import serve
-
-    from gateway.app import build_app
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    port = _free_port()
-    ray.init(include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = GatewayConfig(models=[ModelConfig(name=MODEL)], aliases={"ensemble": MODEL},
-                               max_request_bytes=MAX_REQUEST_BYTES)
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("gateway did not become healthy within 600 s")
-        yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def engine_handle(gateway_url):
-    from ray import serve
-
-    return serve.get_deployment_handle(f"engine-{MODEL}", app_name=APP_NAME)
+__all__ = ["APP_NAME", "MAX_REQUEST_BYTES", "MODEL", "_free_port"]
 
 
 @pytest.fixture(scope="session")

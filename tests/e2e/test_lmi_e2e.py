@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import msgspec
 import pytest
 import text_generation
 import uvicorn
@@ -45,8 +46,8 @@ def native(engine_handle):
 
     def get(prompt: str, max_tokens: int) -> dict:
         if (prompt, max_tokens) not in cache:
-            cache[prompt, max_tokens] = engine_handle.generate_native.remote(
-                prompt, max_tokens).result()
+            cache[prompt, max_tokens] = msgspec.structs.asdict(
+                engine_handle.reference_greedy.remote(prompt, max_tokens).result())
         return cache[prompt, max_tokens]
 
     return get

@@ -32,11 +32,11 @@ def _model(gateway_url, model_dir, **kwargs):
 async def _native_text(engine_handle, lmql_tokenizer, text: str, max_tokens: int) -> str:
     """vLLM's greedy continuation of exactly the ids LMQL sends (it prepends BOS itself)."""
     ids = [lmql_tokenizer.bos_token_id, *lmql_tokenizer(text)["input_ids"]]
-    native = await engine_handle.generate_native.remote(ids, max_tokens)
-    return native["text"]
+    native = await engine_handle.reference_greedy.remote(ids, max_tokens)
+    return native.text
 
 
-async def test_websocket_client_generate_score_model_info(gateway_url):
+async def test_websocket_client_generate_score_model_info(gateway_url, logprob_tolerance):
     from lmql.models.lmtp.lmtp_client import LMTPWebSocketClient
 
     ids = httpx.post(f"{gateway_url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
@@ -50,7 +50,7 @@ async def test_websocket_client_generate_score_model_info(gateway_url):
         scored = [t async for t in client.score(ids, tokens)]
         assert [t["token"] for t in scored] == tokens
         for s, g in zip(scored, generated, strict=True):
-            assert s["logprob"] == pytest.approx(g["logprob"], abs=1e-3)
+            assert s["logprob"] == pytest.approx(g["logprob"], abs=logprob_tolerance)
         info = await client.request("MODEL_INFO", {"model": MODEL})
         assert info["model_info"]["model"] == MODEL
 

@@ -54,21 +54,21 @@ async def _generate(ws, sid, prompt, **kwargs) -> list[dict]:
 
 
 async def test_greedy_generate_matches_vllm_native(gateway_url, engine_handle, prompt_ids):
-    native = await engine_handle.generate_native.remote(prompt_ids, 12)
+    native = await engine_handle.reference_greedy.remote(prompt_ids, 12)
     async with websockets.connect(_ws_url(gateway_url)) as ws:
         items = await _generate(ws, 1, prompt_ids, max_tokens=12)
-    assert [i["token"] for i in items] == native["token_ids"]  # exactly once each
+    assert [i["token"] for i in items] == native.token_ids  # exactly once each
     assert [i["finish_reason"] for i in items] == [None] * 11 + ["length"]
-    for item, logprob in zip(items, native["logprobs"], strict=True):
+    for item, logprob in zip(items, native.logprobs, strict=True):
         assert item["logprob"] == pytest.approx(logprob, abs=1e-4)
         assert item["stream_id"] == 1 and str(item["token"]) in item["top_logprobs"]
 
 
 async def test_default_max_tokens_and_top_logprobs(gateway_url, engine_handle, prompt_ids):
-    native = await engine_handle.generate_native.remote(prompt_ids, 32)  # LMTP's default
+    native = await engine_handle.reference_greedy.remote(prompt_ids, 32)  # LMTP's default
     async with websockets.connect(_ws_url(gateway_url, "/lmtp")) as ws:
         items = await _generate(ws, 7, prompt_ids, top_logprobs=3, temperature=0.0)
-    assert [i["token"] for i in items] == native["token_ids"]
+    assert [i["token"] for i in items] == native.token_ids
     expected_finish = "length" if len(items) == 32 else "stop"  # EOS may come first
     assert items[-1]["finish_reason"] == expected_finish
     for item in items:
@@ -80,10 +80,10 @@ async def test_default_max_tokens_and_top_logprobs(gateway_url, engine_handle, p
 async def test_eos_ends_with_stop(gateway_url, engine_handle, http):
     chat = http.post("/tokenize", json={"messages": [
         {"role": "user", "content": "Reply with just the word yes."}]}).json()["tokens"]
-    native = await engine_handle.generate_native.remote(chat, 64)
+    native = await engine_handle.reference_greedy.remote(chat, 64)
     async with websockets.connect(_ws_url(gateway_url)) as ws:
         items = await _generate(ws, 1, chat, max_tokens=64)
-    assert [i["token"] for i in items] == native["token_ids"]
+    assert [i["token"] for i in items] == native.token_ids
     assert items[-1]["finish_reason"] == "stop" and items[-1]["token"] == 2  # <|im_end|>
 
 
@@ -107,7 +107,7 @@ async def test_biased_logprobs_are_normalised_over_the_biased_distribution(gatew
         assert sum(math.exp(v) for v in item["top_logprobs"].values()) == pytest.approx(1, abs=1e-3)
 
 
-async def test_score_matches_generate_logprobs(gateway_url, prompt_ids):
+async def test_score_matches_generate_logprobs(gateway_url, prompt_ids, logprob_tolerance):
     async with websockets.connect(_ws_url(gateway_url)) as ws:
         generated = await _generate(ws, 1, prompt_ids, max_tokens=5)
         tokens = [i["token"] for i in generated]
@@ -118,7 +118,7 @@ async def test_score_matches_generate_logprobs(gateway_url, prompt_ids):
     assert [i["finish_reason"] for i in scored] == [None] * 4 + ["stop"]
     assert all("top_logprobs" not in i for i in scored)
     for s, g in zip(scored, generated, strict=True):
-        assert s["logprob"] == pytest.approx(g["logprob"], abs=1e-3)
+        assert s["logprob"] == pytest.approx(g["logprob"], abs=logprob_tolerance)
 
 
 async def test_model_info_answers_fast(gateway_url):
@@ -133,8 +133,8 @@ async def test_model_info_answers_fast(gateway_url):
 
 async def test_interleaved_streams_on_one_connection(gateway_url, engine_handle, prompt_ids):
     other = prompt_ids[:-1]
-    expected = {1000: (await engine_handle.generate_native.remote(prompt_ids, 8))["token_ids"],
-                3: (await engine_handle.generate_native.remote(other, 8))["token_ids"]}
+    expected = {1000: (await engine_handle.reference_greedy.remote(prompt_ids, 8)).token_ids,
+                3: (await engine_handle.reference_greedy.remote(other, 8)).token_ids}
     async with websockets.connect(_ws_url(gateway_url)) as ws:
         await _send(ws, "GENERATE", {"model": MODEL, "prompt": prompt_ids, "stream_id": 1000,
                                      "max_tokens": 8})
@@ -146,7 +146,7 @@ async def test_interleaved_streams_on_one_connection(gateway_url, engine_handle,
 
 async def test_two_connections_same_stream_id_do_not_mix(gateway_url, engine_handle, prompt_ids):
     prompts = [prompt_ids, prompt_ids[:3]]
-    expected = [(await engine_handle.generate_native.remote(p, 10))["token_ids"] for p in prompts]
+    expected = [(await engine_handle.reference_greedy.remote(p, 10)).token_ids for p in prompts]
 
     async def run(prompt):
         async with websockets.connect(_ws_url(gateway_url)) as ws:

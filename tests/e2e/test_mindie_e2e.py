@@ -57,8 +57,8 @@ def test_greedy_stream_concatenates_to_generate_and_to_vllm_native(http, engine_
                                                               "details": True}}
     events = _sse(http, body)
     whole = http.post(f"{URL}/generate", json=body).json()
-    native = engine_handle.generate_native.remote(PROMPT, 12).result()
-    assert "".join(e["text_output"] for e in events) == whole["text_output"] == native["text"]
+    native = engine_handle.reference_greedy.remote(PROMPT, 12).result()
+    assert "".join(e["text_output"] for e in events) == whole["text_output"] == native.text
     assert whole["id"] == "g1" and whole["model_version"] is None
     details = whole["details"]
     assert details["finish_reason"] == "length" and details["generated_tokens"] == 12

@@ -15,8 +15,8 @@ from tests.e2e.conftest import MODEL
 PROMPT = "The capital of France is"
 
 
-def _native(engine_handle, prompt: str, max_tokens: int) -> dict:
-    return engine_handle.generate_native.remote(prompt, max_tokens).result()
+def _native(engine_handle, prompt: str, max_tokens: int):
+    return engine_handle.reference_greedy.remote(prompt, max_tokens).result()
 
 
 def test_models_list_has_id_and_root(openai_client):
@@ -30,9 +30,9 @@ def test_completion_greedy_matches_vllm_native(openai_client, engine_handle):
     native = _native(engine_handle, PROMPT, 24)
     result = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
                                               temperature=0)
-    assert result.choices[0].text == native["text"]
-    assert result.usage.prompt_tokens == len(native["prompt_token_ids"])
-    assert result.usage.completion_tokens == len(native["token_ids"])
+    assert result.choices[0].text == native.text
+    assert result.usage.prompt_tokens == len(native.prompt_token_ids)
+    assert result.usage.completion_tokens == len(native.token_ids)
     assert "Paris" in result.choices[0].text
 
 
@@ -64,7 +64,7 @@ def test_chat_greedy_matches_vllm_native_on_the_rendered_template(openai_client,
     chat = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
                                                  temperature=0)
     assert chat.choices[0].message.role == "assistant"
-    assert chat.choices[0].message.content == native["text"]
+    assert chat.choices[0].message.content == native.text
     assert "Paris" in chat.choices[0].message.content
     assert chat.usage.prompt_tokens == len(tokens)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engines.vllm_engine import _finish_reason
+from engines.vllm.translate import finish_reason
 
 
 @pytest.mark.parametrize("reason, stop_reason, requested, expected", [
@@ -14,4 +14,4 @@ from engines.vllm_engine import _finish_reason
     ("abort", None, (), "abort"),
 ])
 def test_finish_reason(reason, stop_reason, requested, expected):
-    assert _finish_reason(reason, stop_reason, requested) == expected
+    assert finish_reason(reason, stop_reason, requested) == expected

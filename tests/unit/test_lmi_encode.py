@@ -14,7 +14,7 @@ from protocols.internal import (
     TopLogprob,
     Usage,
 )
-from protocols.lmi.encode import (
+from protocols.textgen.encode import (
     GenerationFailed,
     LMIWriter,
     ResponseMeta,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from protocols.lmi.params import (
+from protocols.textgen.params import (
     LMI,
     LMI_TGI_COMPAT,
     TGI,

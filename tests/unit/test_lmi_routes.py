@@ -113,7 +113,9 @@ async def test_engine_refusal_is_the_seed_error_body(client, stream):
     body = {"inputs": "Hi", "parameters": {"max_new_tokens": 1000}, "stream": stream}
     r = await client.post("/invocations", json=body)
     assert r.status_code == 400  # never a 200 stream: the first event was peeked
-    assert r.json() == {**LMI_SEED_ERROR, "error": "context length exceeded", "code": 400}
+    assert r.json() == {**LMI_SEED_ERROR, "code": 400, "error": (
+        "this model's maximum context length is 64 tokens; the prompt has 2 and 1000 were "
+        "requested for the completion")}
 
 
 async def test_openai_bodies_dispatch(client):
@@ -138,7 +140,8 @@ async def test_dynamic_batch_failure_is_424(client):
     r = await client.post("/invocations", json={"inputs": ["a", "b" * 70]})
     assert r.status_code == 424
     assert r.json() == {"code": 424, "message": "invoke handler failure",
-                        "error": "context length exceeded"}
+                        "error": "prompt has 70 tokens; this model's maximum context length is 64 "
+                                 "tokens including at least one generated token"}
 
 
 async def test_tgi_compat_mode_on_invocations():
@@ -227,7 +230,7 @@ async def test_tgi_errors(client, path):
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
     assert set(r.json()) == {"error", "error_type"} and "top_p" in r.json()["error"]
     r = await client.post(path, json={"inputs": "Hi", "parameters": {"max_new_tokens": 1000}})
-    assert r.status_code == 422 and "context length exceeded" in r.json()["error"]
+    assert r.status_code == 422 and "maximum context length is 64" in r.json()["error"]
     r = await client.post(path, content=b"not json")
     assert r.status_code == 422
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from protocols.errors import EnvelopeError
 from protocols.internal import FinalEvent, TokenEvent, Usage
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
-from protocols.mindie.errors import MindIEError
 from protocols.mindie.validate import to_request
 from tests.seed_examples import MINDIE_SEED_EXAMPLE
 
@@ -41,7 +41,7 @@ def test_defaults():
 
 @pytest.mark.parametrize("value", ["a b", "", "x" * 257, 12, None, "é"])
 def test_bad_ids_are_422(value):
-    with pytest.raises(MindIEError) as info:
+    with pytest.raises(EnvelopeError) as info:
         _req({"id": value, "text_input": "hi"})
     assert info.value.status == 422 and info.value.error_type == "Input Validation Error"
 
@@ -55,7 +55,7 @@ def test_good_id():
                                   "x" * (4 * 1024 * 1024 + 1)])
 def test_bad_text_input_is_422(text):
     body = {} if text is None else {"text_input": text}
-    with pytest.raises(MindIEError) as info:
+    with pytest.raises(EnvelopeError) as info:
         _req(body)
     assert info.value.status == 422
 
@@ -74,7 +74,7 @@ def test_single_string_list_is_accepted_as_text():
     ("priority", 6), ("priority", 2.0), ("timeout", 0), ("timeout", 3601), ("timeout", 1.5),
 ])
 def test_out_of_range_parameters_are_422_naming_the_field(name, value):
-    with pytest.raises(MindIEError) as info:
+    with pytest.raises(EnvelopeError) as info:
         _params(**{name: value})
     assert info.value.status == 422 and name in info.value.message
 
@@ -112,9 +112,9 @@ def test_triton_top_level_knobs():
 
 
 def test_parameters_must_be_an_object():
-    with pytest.raises(MindIEError):
+    with pytest.raises(EnvelopeError):
         _req({"text_input": "hi", "parameters": [1]})
-    with pytest.raises(MindIEError):
+    with pytest.raises(EnvelopeError):
         _req([1, 2])
 
 

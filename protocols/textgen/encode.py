@@ -22,7 +22,19 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from protocols.internal import ErrorEvent, Event, FinalEvent, PromptEvent, PromptToken, TokenEvent
+from protocols.internal import (
+    BacktrackEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    ForkEvent,
+    PromptEvent,
+    PromptToken,
+    TokenEvent,
+    as_error,
+    splice_refusal,
+)
+from protocols.streams import fold_splices
 
 __all__ = ["GenerationFailed", "LMIWriter", "ResponseMeta", "SequenceResult", "TGIWriter",
            "best_sequence", "collect", "dynamic_lines", "finish_reason", "gather_or_cancel",
@@ -241,8 +253,8 @@ async def stream_objects(events: AsyncIterator[Event], meta: ResponseMeta,
     async for event in events:
         if isinstance(event, PromptEvent):
             prompt = event
-        elif isinstance(event, ErrorEvent):
-            yield writer.stream_error(event.message)
+        elif isinstance(event, (ErrorEvent, BacktrackEvent, ForkEvent)):
+            yield writer.stream_error(as_error(event).message)  # a stream only grows
             return
         elif isinstance(event, TokenEvent):
             parts.append(event.text)
@@ -272,10 +284,11 @@ async def stream_objects(events: AsyncIterator[Event], meta: ResponseMeta,
 
 
 async def collect(events: AsyncIterator[Event]) -> tuple[PromptEvent | None, list[SequenceResult]]:
-    """Gather a non-streamed request. Raises :class:`GenerationFailed` on any failure."""
+    """Gather a non-streamed request (backtracks applied, forks as extra sequences). Raises
+    :class:`GenerationFailed` on any failure."""
     prompt: PromptEvent | None = None
     sequences: dict[int, SequenceResult] = {}
-    async for event in events:
+    async for event in fold_splices(events):
         if isinstance(event, PromptEvent):
             prompt = event
         elif isinstance(event, ErrorEvent):
@@ -322,6 +335,8 @@ async def _texts(events: AsyncIterator[Event]) -> AsyncIterator[str]:
     async for event in events:
         if isinstance(event, ErrorEvent):
             raise GenerationFailed(event)
+        if isinstance(event, (BacktrackEvent, ForkEvent)):
+            raise GenerationFailed(splice_refusal(event))
         if isinstance(event, TokenEvent):
             if held is not None:
                 yield _plain(held)

@@ -12,8 +12,10 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from protocols.errors import EnvelopeError
 from protocols.internal import EngineClient
-from protocols.lmi.encode import (
+from protocols.streams import Peeked
+from protocols.textgen.encode import (
     GenerationFailed,
     ResponseMeta,
     SequenceResult,
@@ -24,10 +26,15 @@ from protocols.lmi.encode import (
     sse,
     stream_objects,
 )
-from protocols.lmi.errors import TGIError, tgi_from_event, tgi_invalid
-from protocols.lmi.params import TGI, InvalidParameters, decode_json, parse_body, parse_parameters
-from protocols.lmi.routes import STREAM_HEADERS, response_meta, start_generation
-from protocols.streams import Peeked
+from protocols.textgen.params import (
+    TGI,
+    InvalidParameters,
+    decode_json,
+    parse_body,
+    parse_parameters,
+)
+from protocols.textgen.serving import STREAM_HEADERS, response_meta, start_generation
+from protocols.tgi.errors import from_event, invalid
 
 __all__ = ["router"]
 
@@ -42,11 +49,13 @@ def _model(request: Request) -> tuple[str, EngineClient]:
     try:
         return registry.resolve(name)
     except LookupError:
-        raise TGIError(404, f"Model {name} is not served.", "not_found") from None
+        raise EnvelopeError(404, f"Model {name} is not served.", "not_found") from None
 
 
-async def _start(request: Request, stream: bool | None) -> tuple[Peeked, ResponseMeta, bool]:
-    """Validate and submit; ``stream`` None means "as the body says" (the root route)."""
+async def _start(request: Request, stream: bool | None
+                 ) -> tuple[Peeked, ResponseMeta, bool, str]:
+    """Validate and submit; ``stream`` None means "as the body says" (the root route).
+    Returns the peeked stream, what shapes the answer, whether to stream, and the model."""
     name, engine = _model(request)
     try:
         body = decode_json(await request.body())
@@ -54,14 +63,14 @@ async def _start(request: Request, stream: bool | None) -> tuple[Peeked, Respons
         stream = bool(body_stream) if stream is None else stream
         gen = parse_parameters(params, TGI, stream=stream)
     except InvalidParameters as exc:
-        raise tgi_invalid(str(exc)) from None
+        raise invalid(str(exc)) from None
     assert isinstance(inputs, str)
     try:
-        meta = await response_meta(request, name, inputs, gen)
+        meta = await response_meta(request.app.state.registry, name, inputs, gen)
         peeked = await start_generation(engine, name, inputs, gen)
     except GenerationFailed as exc:
-        raise tgi_from_event(exc.event) from None
-    return peeked, meta, stream
+        raise from_event(exc.event) from None
+    return peeked, meta, stream, name
 
 
 def _stream(peeked: Peeked, meta: ResponseMeta) -> StreamingResponse:
@@ -70,14 +79,15 @@ def _stream(peeked: Peeked, meta: ResponseMeta) -> StreamingResponse:
                              media_type="text/event-stream", headers=STREAM_HEADERS)
 
 
-def _timing_headers(best: SequenceResult, started: float) -> dict[str, str]:
-    """TGI's optional per-request headers (milliseconds)."""
+def _timing_headers(best: SequenceResult, started: float, engine: str) -> dict[str, str]:
+    """TGI's optional per-request headers (milliseconds); ``x-compute-type`` names the engine
+    kind."""
     final = best.final
     assert final is not None
     total_ms = (time.monotonic() - started) * 1000
     queue_ms = final.timings.queue_s * 1000
     generated = final.usage.completion_tokens
-    return {"x-compute-type": "vllm", "x-total-time": str(round(total_ms)),
+    return {"x-compute-type": engine, "x-total-time": str(round(total_ms)),
             "x-queue-time": str(round(queue_ms)),
             "x-inference-time": str(round(max(0.0, total_ms - queue_ms))),
             "x-time-per-token": str(round(max(0.0, total_ms - queue_ms) / max(generated, 1))),
@@ -87,16 +97,17 @@ def _timing_headers(best: SequenceResult, started: float) -> dict[str, str]:
 
 async def _generate(request: Request, wrap: bool) -> JSONResponse | StreamingResponse:
     started = time.monotonic()
-    peeked, meta, stream = await _start(request, False if not wrap else None)
+    peeked, meta, stream, name = await _start(request, False if not wrap else None)
     if stream:
         return _stream(peeked, meta)
     try:
         prompt, sequences = await collect(aiter(peeked))
     except GenerationFailed as exc:
-        raise tgi_from_event(exc.event) from None
+        raise from_event(exc.event) from None
     out = response_body(prompt, sequences, meta, _WRITER)
     best = best_sequence(sequences)
-    return JSONResponse([out] if wrap else out, headers=_timing_headers(best, started))
+    engine = (await request.app.state.registry.info(name)).engine
+    return JSONResponse([out] if wrap else out, headers=_timing_headers(best, started, engine))
 
 
 @router.post("/generate")
@@ -112,7 +123,7 @@ async def compat_generate(request: Request) -> Response:
 
 @router.post("/generate_stream")
 async def generate_stream(request: Request) -> StreamingResponse:
-    peeked, meta, _ = await _start(request, True)
+    peeked, meta, _, _ = await _start(request, True)
     return _stream(peeked, meta)
 
 

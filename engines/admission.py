@@ -1,0 +1,76 @@
+"""Engine-neutral admission: one pass that checks a request against the model it is sent to.
+
+Runs once per request, in the engine replica, for every engine kind (``EngineHost``); engines
+trust what it admits. Protocol translators check only their own wire format (types, the
+protocol's documented ranges); what depends on the model (context length, vocabulary, logprob
+counts, what the engine kind can do at all) is checked here, so every protocol refuses the same
+requests with the same message, in its own error shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engines.base import Admitted
+from protocols.internal import ErrorEvent, GenerateRequest, ModelInfo, TokenPrompt
+
+__all__ = ["Refused", "admit", "check_request"]
+
+
+class Refused(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def event(self) -> ErrorEvent:
+        return ErrorEvent(kind="validation", message=str(self), param=self.param)
+
+
+def _check_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    for token in ids:
+        if not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise Refused(f"token id {token!r} is outside the vocabulary [0, {vocab_size})", param)
+
+
+def check_request(request: GenerateRequest, info: ModelInfo) -> None:
+    """What can be checked before the prompt is tokenized. Raises :class:`Refused`."""
+    caps = info.capabilities
+    if request.controller is not None and caps.controllers == "none":
+        raise Refused(f"controllers are not supported by the {info.engine} engine serving "
+                      f"{info.name}", "controller")
+    if isinstance(request.prompt, TokenPrompt):
+        _check_ids(request.prompt.token_ids, info.vocab_size, "prompt")
+
+
+def admit(request: GenerateRequest, prompt_ids: list[int], info: ModelInfo) -> Admitted:
+    """Check the rendered prompt and the sampling/output options. Raises :class:`Refused`."""
+    limit = info.max_model_len
+    if not prompt_ids:
+        raise Refused("prompt is empty", "prompt")
+    if len(prompt_ids) >= limit:
+        raise Refused(f"prompt has {len(prompt_ids)} tokens; this model's maximum context length "
+                      f"is {limit} tokens including at least one generated token", "prompt")
+    s, out, caps = request.sampling, request.output, info.capabilities
+    room = limit - len(prompt_ids)
+    max_tokens = room if s.max_tokens is None else s.max_tokens
+    if max_tokens < 1:
+        raise Refused("max_tokens must be at least 1", "max_tokens")
+    if max_tokens > room:
+        raise Refused(f"this model's maximum context length is {limit} tokens; the prompt has "
+                      f"{len(prompt_ids)} and {max_tokens} were requested for the completion",
+                      "max_tokens")
+    if s.n > caps.max_n:
+        raise Refused(f"n must be at most {caps.max_n} on the {info.engine} engine", "n")
+    if s.best_of is not None and s.best_of > s.n and not caps.best_of_above_n:
+        raise Refused(f"best_of > n is not supported by the {info.engine} engine", "best_of")
+    for k, limit_k, name in ((out.logprobs, caps.max_logprobs, "logprobs"),
+                             (out.prompt_logprobs, caps.max_prompt_logprobs, "prompt_logprobs")):
+        if k is None:
+            continue
+        if limit_k is None:
+            raise Refused(f"{name} are not reported by the {info.engine} engine", name)
+        if not 0 <= k <= limit_k:
+            raise Refused(f"{name} must be in [0, {limit_k}]", name)
+    _check_ids(s.logit_bias, info.vocab_size, "logit_bias")
+    _check_ids(s.stop_token_ids, info.vocab_size, "stop_token_ids")
+    return Admitted(prompt_ids=prompt_ids, max_tokens=max_tokens)

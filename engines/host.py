@@ -1,0 +1,143 @@
+"""Any engine kind behind the engine contract: admission, deadline, accounting, failures.
+
+:class:`EngineHost` is the one implementation of :class:`protocols.internal.EngineClient` inside
+an engine replica, whatever the kind; the Serve deployment and the unit tests' fake engine both
+use it, so the contract's generic rules (module docstring of ``protocols.internal``) hold the
+same way for every kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from engines.admission import Refused, admit, check_request
+from engines.base import Engine, PromptError, ReferenceEngine, ReferenceOutput
+from protocols.internal import (
+    BacktrackEvent,
+    EngineStats,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    FinishReason,
+    ForkEvent,
+    GenerateRequest,
+    ModelInfo,
+    Prompt,
+    Timings,
+    TokenEvent,
+    Usage,
+    splice_allowed,
+    splice_refusal,
+)
+
+__all__ = ["EngineHost"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineHost:
+    """:class:`~protocols.internal.EngineClient` over one :class:`~engines.base.Engine`."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.info: ModelInfo = engine.model_info()
+        self.active: set[str] = set()  # request ids in flight
+        self.aborted = 0  # requests cancelled before they finished (client disconnects)
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(active=len(self.active), aborted=self.aborted)
+
+    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        """Token ids of ``prompt`` exactly as ``generate`` would see them (no validation)."""
+        return tuple(self.engine.render(prompt))
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
+        """Text of ``token_ids``; ids outside the vocabulary are the caller's to reject."""
+        return self.engine.detokenize(token_ids)
+
+    async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
+        if not isinstance(self.engine, ReferenceEngine):
+            raise NotImplementedError(f"the {self.info.engine} engine has no reference decoder")
+        return await self.engine.reference_greedy(prompt, max_tokens)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        try:
+            check_request(request, self.info)
+            admitted = admit(request, self.engine.render(request.prompt), self.info)
+        except Refused as exc:
+            yield exc.event()
+            return
+        except PromptError as exc:
+            yield ErrorEvent(kind="validation", message=f"invalid prompt: {exc}", param="prompt")
+            return
+        request_id = request.request_id
+        self.active.add(request_id)
+        progress = _Progress(request, len(admitted.prompt_ids))
+        finished = False
+        try:
+            # aclosing: leaving early (deadline, refusal, disconnect) closes the engine's stream
+            # now, which aborts its request, instead of whenever the generator is collected.
+            async with (asyncio.timeout(request.timeout_s),
+                        aclosing(self.engine.stream(request, admitted)) as stream):
+                async for event in stream:
+                    refusal = progress.see(event)
+                    if refusal is not None:  # closing the stream aborts the engine request
+                        yield refusal
+                        break
+                    yield event
+            finished = True
+        except TimeoutError:  # the cancelled stream has aborted the engine request
+            for event in progress.close("abort", "timeout"):
+                yield event
+            finished = True
+        except Exception as exc:  # the stream must still end with an event
+            log.exception("engine failure on %s", request_id)
+            yield ErrorEvent(kind="engine", message=f"engine failure: {exc}")
+            finished = True
+        finally:
+            self.active.discard(request_id)
+            if not finished:
+                self.aborted += 1
+
+
+class _Progress:
+    """How far each choice got, so a deadline can end the open ones with honest usage; and the
+    guard that keeps splices away from consumers that can only append."""
+
+    def __init__(self, request: GenerateRequest, prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
+        self.splices = request.output.splices
+        self.started = time.monotonic()
+        self.tokens = dict.fromkeys(range(request.sampling.n), 0)  # open choices → tokens
+
+    def see(self, event: Event) -> ErrorEvent | None:
+        """Account for ``event``; an ErrorEvent to send instead when it breaks the contract."""
+        if isinstance(event, TokenEvent):
+            self.tokens[event.index] = self.tokens.get(event.index, 0) + 1
+        elif isinstance(event, FinalEvent):
+            self.tokens.pop(event.index, None)
+        elif isinstance(event, (BacktrackEvent, ForkEvent)):
+            if not splice_allowed(event, self.splices):
+                return splice_refusal(event)
+            if isinstance(event, BacktrackEvent):
+                self.tokens[event.index] -= event.count
+            else:
+                self.tokens[event.index] = self.tokens.get(event.parent, 0)
+        return None
+
+    def close(self, reason: FinishReason, stop_reason: str) -> list[FinalEvent]:
+        timings = Timings(ttft_s=time.monotonic() - self.started)
+        return [FinalEvent(index=index, finish_reason=reason, stop_reason=stop_reason,
+                           usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=count),
+                           timings=timings)
+                for index, count in sorted(self.tokens.items())]

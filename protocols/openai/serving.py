@@ -1,0 +1,162 @@
+"""OpenAI serving logic, callable without HTTP (``routes`` and LMI's OpenAI-shaped bodies both
+use it): decode and translate a body, run it on the model's engine, encode the answer.
+
+Results are a response body (``dict``) or an SSE byte stream; refusals raise
+:class:`~protocols.openai.errors.OpenAIError`. Streams are peeked before they are returned, so
+a request the engine refuses raises instead of becoming a 200 stream carrying an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from protocols.internal import (
+    ChatPrompt,
+    EngineClient,
+    GenerateRequest,
+    ModelDirectory,
+    ModelNotFound,
+    ModelRequired,
+    TextPrompt,
+)
+from protocols.openai.encode import (
+    ChunkMeta,
+    chat_chunks,
+    chat_response,
+    collect,
+    completion_chunks,
+    completion_response,
+    sse,
+    with_echo,
+)
+from protocols.openai.errors import OpenAIError, from_event
+from protocols.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    StreamOptions,
+    TokenizeRequest,
+)
+from protocols.openai.translate import chat_messages, chat_request, completion_requests, decode_body
+from protocols.streams import Peeked, merge, peek, reindexed
+
+__all__ = ["Result", "as_response", "chat_completions", "completions", "detokenize", "get_model",
+           "list_models", "tokenize"]
+
+Result = dict[str, Any] | AsyncIterator[bytes]
+
+
+def as_response(result: Result, request_id: str | None = None) -> Response:
+    """The HTTP response for ``result``; a client's ``x-request-id`` is echoed."""
+    headers = {"x-request-id": request_id} if request_id else {}
+    if isinstance(result, dict):
+        return JSONResponse(result, headers=headers)
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+
+
+def _resolve(models: ModelDirectory, name: str | None) -> tuple[str, EngineClient]:
+    try:
+        return models.resolve(name)
+    except ModelNotFound as exc:
+        raise OpenAIError(404, str(exc), "model") from None
+    except ModelRequired as exc:
+        raise OpenAIError(400, str(exc), "model") from None
+
+
+async def _model_card(models: ModelDirectory, name: str) -> dict:
+    info = await models.info(name)
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "llm-gateway",
+            "root": info.root, "parent": None, "max_model_len": info.max_model_len,
+            "permission": []}
+
+
+async def list_models(models: ModelDirectory) -> dict:
+    cards = await asyncio.gather(*(_model_card(models, n) for n in models.names()))
+    return {"object": "list", "data": list(cards)}
+
+
+async def get_model(models: ModelDirectory, model: str) -> dict:
+    name, _ = _resolve(models, model)
+    return await _model_card(models, name)
+
+
+def _usage_mode(options: StreamOptions | None):
+    if options is None or not options.include_usage:
+        return "none"
+    return "continuous" if options.continuous_usage_stats else "final"
+
+
+async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bool) -> AsyncIterator:
+    """Start every sub-request, peek each, and merge them into one event stream."""
+    peeked: list[Peeked] = list(await asyncio.gather(*(peek(engine.generate(r)) for r in requests)))
+    for p in peeked:
+        if p.error is not None:
+            await asyncio.gather(*(q.aclose() for q in peeked), return_exceptions=True)
+            raise from_event(p.error)
+    n = requests[0].sampling.n
+    streams = [reindexed(with_echo(aiter(p)) if echo else aiter(p), i * n)
+               for i, p in enumerate(peeked)]
+    return merge(streams)
+
+
+async def completions(raw: bytes | dict | CompletionRequest, models: ModelDirectory) -> Result:
+    """``/v1/completions``; ``raw`` is the JSON body, as bytes or already decoded."""
+    body = raw if isinstance(raw, CompletionRequest) else decode_body(raw, CompletionRequest)
+    name, engine = _resolve(models, body.model)
+    meta = ChunkMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name, n=body.n)
+    events = await _start(engine, completion_requests(body, name, meta.id), body.echo)
+    logprobs = body.logprobs is not None
+    if body.stream:
+        return sse(completion_chunks(events, meta, logprobs=logprobs,
+                                     usage=_usage_mode(body.stream_options)))
+    return completion_response(await collect(events, body.n), meta, logprobs=logprobs)
+
+
+async def chat_completions(raw: bytes | dict | ChatCompletionRequest,
+                           models: ModelDirectory) -> Result:
+    """``/v1/chat/completions``; ``raw`` is the JSON body, as bytes or already decoded."""
+    body = raw if isinstance(raw, ChatCompletionRequest) else decode_body(raw,
+                                                                           ChatCompletionRequest)
+    name, engine = _resolve(models, body.model)
+    meta = ChunkMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name,
+                     n=body.n)
+    events = await _start(engine, [chat_request(body, name, meta.id)], echo=False)
+    if body.stream:
+        return sse(chat_chunks(events, meta, choices=body.n, logprobs=body.logprobs,
+                               usage=_usage_mode(body.stream_options)))
+    return chat_response(await collect(events, body.n), meta, logprobs=body.logprobs)
+
+
+async def tokenize(raw: bytes, models: ModelDirectory) -> dict:
+    body = decode_body(raw, TokenizeRequest)
+    name, engine = _resolve(models, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError(400, "exactly one of prompt or messages is required", "prompt")
+    if body.prompt is not None:
+        prompt = TextPrompt(text=body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        prompt = ChatPrompt(messages=chat_messages(body.messages),
+                            add_generation_prompt=body.add_generation_prompt)
+    tokens = list(await engine.tokenize(prompt))
+    info = await models.info(name)
+    result = {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+    if body.return_token_strs:
+        result["token_strs"] = list(
+            await asyncio.gather(*(engine.detokenize((t,)) for t in tokens))
+        )
+    return result
+
+
+async def detokenize(raw: bytes, models: ModelDirectory) -> dict:
+    body = decode_body(raw, DetokenizeRequest)
+    name, engine = _resolve(models, body.model)
+    vocab_size = (await models.info(name)).vocab_size
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise OpenAIError(400, f"token ids must be in [0, {vocab_size})", "tokens")
+    return {"prompt": await engine.detokenize(tuple(body.tokens))}

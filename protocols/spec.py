@@ -1,0 +1,35 @@
+"""What a protocol package hands the gateway: one :class:`ProtocolSpec` (its ``spec.SPEC``).
+
+The gateway mounts the routers of every enabled protocol (in the configured order) and asks
+the spec that owns a path to render route-level errors (unknown route, wrong method, body too
+large, missing API key, unexpected failure) in that protocol's shape. Protocol routes find the
+served models at ``app.state.registry`` (a :class:`protocols.internal.ModelDirectory`) and the
+gateway's options at ``app.state.config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+__all__ = ["ProtocolSpec"]
+
+
+@dataclass(frozen=True)
+class ProtocolSpec:
+    name: str
+    routers: tuple[APIRouter, ...]
+    listing: str  # where clients find it, for the gateway's root listing
+    # HTTP-level error on a path this protocol owns → a response in its shape. ``None`` for a
+    # protocol without HTTP routes of its own (LMTP: its errors are websocket messages).
+    route_error: Callable[[int, str], Response] | None = None
+    # The paths whose route-level errors are this protocol's: exact paths and path prefixes.
+    paths: frozenset[str] = frozenset()
+    prefixes: tuple[str, ...] = ()
+
+    def owns(self, path: str) -> bool:
+        return self.route_error is not None and (path in self.paths
+                                                 or path.startswith(self.prefixes))

@@ -1,0 +1,51 @@
+"""Starting a text-generation request, shared by the LMI and TGI routes (no HTTP here)."""
+
+from __future__ import annotations
+
+import uuid
+
+from protocols.internal import (
+    EngineClient,
+    ErrorEvent,
+    GenerateRequest,
+    ModelDirectory,
+    TextPrompt,
+    TokenPrompt,
+)
+from protocols.streams import Peeked, peek
+from protocols.textgen.encode import GenerationFailed, ResponseMeta
+from protocols.textgen.params import Generation
+
+__all__ = ["STREAM_HEADERS", "response_meta", "start_generation"]
+
+STREAM_HEADERS = {"Cache-Control": "no-cache"}
+
+
+async def start_generation(engine: EngineClient, model: str, inputs: str,
+                           gen: Generation) -> Peeked:
+    """Submit one prompt and peek its first event. Raises :class:`GenerationFailed`."""
+    prompt: TextPrompt | TokenPrompt = TextPrompt(text=inputs)
+    if gen.truncate is not None:  # TGI / lmi-dist `truncate`: keep the last N prompt tokens
+        try:
+            ids = await engine.tokenize(prompt)
+        except Exception as exc:
+            raise GenerationFailed(ErrorEvent(kind="engine", message=f"tokenize: {exc}")) from exc
+        if len(ids) > gen.truncate:
+            prompt = TokenPrompt(token_ids=ids[-gen.truncate:])
+    request = GenerateRequest(request_id=uuid.uuid4().hex, model=model, prompt=prompt,
+                              sampling=gen.sampling, output=gen.output)
+    peeked = await peek(engine.generate(request))
+    if peeked.error is not None:
+        raise GenerationFailed(peeked.error)
+    return peeked
+
+
+async def response_meta(models: ModelDirectory, model: str, inputs: str,
+                        gen: Generation) -> ResponseMeta:
+    try:
+        eos_token_id = (await models.info(model)).eos_token_id
+    except Exception as exc:
+        raise GenerationFailed(ErrorEvent(kind="engine", message=f"model info: {exc}")) from exc
+    return ResponseMeta(inputs=inputs, details=gen.details, return_full_text=gen.return_full_text,
+                        prefill=gen.prefill, top_n_tokens=gen.top_n_tokens, seed=gen.seed,
+                        eos_token_id=eos_token_id)

@@ -1,0 +1,28 @@
+"""TGI's error body ``{"error", "error_type"}`` (shared/specs/lmi-and-tgi.md §6.5)."""
+
+from __future__ import annotations
+
+from starlette.responses import Response
+
+from protocols.errors import EnvelopeError
+from protocols.internal import ErrorEvent
+
+__all__ = ["from_event", "invalid", "route_error"]
+
+_OF_KIND = {"validation": (422, "validation"), "not_found": (404, "not_found"),
+            "overloaded": (429, "overloaded"), "engine": (424, "generation")}
+
+
+def invalid(message: str) -> EnvelopeError:
+    return EnvelopeError(422, f"Input validation error: {message}", "validation")
+
+
+def from_event(event: ErrorEvent) -> EnvelopeError:
+    status, error_type = _OF_KIND[event.kind]
+    message = f"Input validation error: {event.message}" if status == 422 else event.message
+    return EnvelopeError(status, message, error_type)
+
+
+def route_error(status: int, message: str) -> Response:
+    """An HTTP-level error on a TGI path (the client raises by ``error_type``)."""
+    return EnvelopeError(status, message, "validation" if status < 500 else "generation").response()

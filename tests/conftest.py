@@ -1,0 +1,13 @@
+"""Session fixtures for every test directory; items that need the real engine are marked e2e."""
+
+import pytest
+
+from tests.serve_session import engine_handle, gateway_url, logprob_tolerance
+
+__all__ = ["engine_handle", "gateway_url", "logprob_tolerance"]
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/e2e/" in str(item.fspath) or "gateway_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)

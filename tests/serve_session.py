@@ -1,0 +1,79 @@
+"""One real gateway (Ray Serve + vLLM on the embedded model) for the whole test session,
+shared by the end-to-end tests and the engine contract suite's real-engine runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+from engines.config import ModelConfig
+from engines.embedded import EMBEDDED_MODEL_NAME
+from gateway.config import GatewayConfig
+
+MODEL = EMBEDDED_MODEL_NAME
+APP_NAME = "gateway"
+# Small, so the 413 path is exercised through Ray Serve without shipping 64 MiB bodies.
+MAX_REQUEST_BYTES = 1 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gateway_url():
+    import ray
+    from ray import serve
+
+    from gateway.app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    port = _free_port()
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = GatewayConfig(models=[ModelConfig(name=MODEL)], aliases={"ensemble": MODEL},
+                               max_request_bytes=MAX_REQUEST_BYTES)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("gateway did not become healthy within 600 s")
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_handle(gateway_url):
+    from ray import serve
+
+    return serve.get_deployment_handle(f"engine-{MODEL}", app_name=APP_NAME)
+
+
+# Prefill (SCORE, prompt logprobs) and decode compute the same logprob through different
+# kernels; how far they may drift apart follows the dtype the engine actually computes in. In
+# bf16 a logit near 20 is only resolved to 0.125 (8 significant bits), so two paths can differ
+# by about that much; fp32 keeps them within 1e-3.
+LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
+
+
+@pytest.fixture(scope="session")
+def logprob_tolerance(engine_handle) -> float:
+    """Absolute tolerance between logprobs of one token computed on different engine paths."""
+    return LOGPROB_TOLERANCE[engine_handle.model_info.remote().result().dtype]
