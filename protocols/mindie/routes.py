@@ -31,14 +31,15 @@ def _resolve(request: Request, model: str) -> tuple[str, EngineClient]:
         raise EnvelopeError(404, f"Model {model} not found.", NOT_FOUND) from None
 
 
-async def _start(request: Request, model: str):
+async def _start(request: Request, model: str, stream: bool):
     try:
         body = msgspec.json.decode(await request.body())
     except (msgspec.DecodeError, RecursionError) as exc:
         raise EnvelopeError(422, f"Invalid JSON body: {exc}", "validation") from None
     name, engine = _resolve(request, model)
     info = await request.app.state.registry.info(name)
-    internal, options = to_request(body, name, info.vocab_size, uuid.uuid4().hex[:16])
+    internal, options = to_request(body, name, info.vocab_size, uuid.uuid4().hex[:16],
+                                   stream=stream)
     peeked = await peek(engine.generate(internal))
     if peeked.error is not None:
         raise from_event(peeked.error)
@@ -49,13 +50,13 @@ async def _start(request: Request, model: str):
 
 @router.post("/v2/models/{model}/generate")
 async def generate(request: Request, model: str) -> JSONResponse:
-    meta, events = await _start(request, model)
+    meta, events = await _start(request, model, stream=False)
     return JSONResponse(await collect_response(aiter(events), meta))
 
 
 @router.post("/v2/models/{model}/generate_stream")
 async def generate_stream(request: Request, model: str) -> StreamingResponse:
-    meta, events = await _start(request, model)
+    meta, events = await _start(request, model, stream=True)
     return StreamingResponse(sse(stream_events(aiter(events), meta)),
                              media_type="text/event-stream")
 

@@ -130,7 +130,7 @@ def _merged_knobs(body: dict, params: dict) -> dict[str, Any]:
     return knobs
 
 
-def to_request(body: Any, model: str, vocab_size: int, fallback_id: str
+def to_request(body: Any, model: str, vocab_size: int, fallback_id: str, *, stream: bool = False
                ) -> tuple[GenerateRequest, MindIEOptions]:
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
@@ -192,7 +192,9 @@ def to_request(body: Any, model: str, vocab_size: int, fallback_id: str
         model=model,
         prompt=TextPrompt(text=text),
         sampling=sampling,
-        output=OutputOptions(skip_special_tokens=True),
+        # generate_stream only grows; generate's one text_output can apply a backtrack but has
+        # no place for a fork.
+        output=OutputOptions(skip_special_tokens=True, splices="append" if stream else "retract"),
         priority=DEFAULT_PRIORITY if priority is None else priority,
         timeout_s=float(DEFAULT_TIMEOUT_S if timeout is None else timeout),
     )

@@ -128,7 +128,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return result
 
 
-def _output(body: _Sampling, logprobs: int | None, echo: bool = False) -> OutputOptions:
+def _output(body: _Sampling, logprobs: int | None, echo: bool = False,
+            prompts: int = 1) -> OutputOptions:
     _check(logprobs is None or logprobs >= 0, "logprobs must be >= 0", "logprobs")
     _check(body.prompt_logprobs is None or body.prompt_logprobs >= 0,
            "prompt_logprobs must be >= 0", "prompt_logprobs")
@@ -138,6 +139,9 @@ def _output(body: _Sampling, logprobs: int | None, echo: bool = False) -> Output
         echo=echo,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
+        # Streams only grow. Whole responses apply backtracks and show forks as extra choices,
+        # except with several prompts, whose choice indices follow each other (no room).
+        splices="append" if body.stream else "full" if prompts == 1 else "retract",
     )
 
 
@@ -146,8 +150,8 @@ def completion_requests(body: CompletionRequest, model: str, request_id: str) ->
     _check(body.suffix is None, "suffix is not supported", "suffix")
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     sampling = _sampling(body, max_tokens)
-    output = _output(body, body.logprobs, body.echo)
     prompts = _prompts(body.prompt, body.add_special_tokens)
+    output = _output(body, body.logprobs, body.echo, len(prompts))
     return [
         GenerateRequest(
             request_id=f"{request_id}-{i}" if len(prompts) > 1 else request_id,

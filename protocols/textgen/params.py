@@ -262,6 +262,8 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
         logprobs=top_n,  # 0: the sampled token's own logprob, which every Token carries
         prompt_logprobs=0 if prefill else None,  # 0: the prompt token's own logprob
         token_pieces=True,
+        # Streams only grow; whole answers apply backtracks and rank forks with the sequences.
+        splices="append" if stream else "full",
         skip_special_tokens=True if skip_special is None else skip_special,
         spaces_between_special_tokens=True if spaces is None else spaces,
     )
