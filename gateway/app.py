@@ -38,16 +38,17 @@ VERSION = "0.1.0"
 
 class _ErrorShapes:
     """Route-level errors in the shape of the protocol that owns the path; paths no protocol
-    owns get the first enabled protocol's shape."""
+    owns get the first enabled HTTP protocol's shape (FastAPI's ``{"detail"}`` when only
+    websocket protocols are enabled)."""
 
     def __init__(self, specs: list[ProtocolSpec]):
         self.owners = [s for s in specs if s.route_error is not None]
-        if not self.owners:
-            raise ValueError("at least one enabled protocol must serve HTTP")
 
     def response(self, path: str, status: int, message: str) -> Response:
-        owner = next((s for s in self.owners if s.owns(path)), self.owners[0])
-        assert owner.route_error is not None
+        owner = next((s for s in self.owners if s.owns(path)), None) or next(iter(self.owners),
+                                                                              None)
+        if owner is None or owner.route_error is None:
+            return JSONResponse({"detail": message}, status_code=status)
         return owner.route_error(status, message)
 
 

@@ -13,8 +13,9 @@ VALIDATION = "Input Validation Error"
 NOT_FOUND = "NotFoundError"
 _OF_KIND = {"validation": (422, VALIDATION), "not_found": (404, NOT_FOUND),
             "overloaded": (503, "Service Unavailable"), "engine": (424, "Generation Error")}
-# Route-level errors (no route, wrong method, body too large); other 4xx read as validation.
-_OF_ROUTE_STATUS = {404: NOT_FOUND, 405: "MethodNotAllowed"}
+# Route-level errors (no route, wrong method, body too large, unexpected failure): other 4xx
+# read as validation, other 5xx as a failed generation.
+_OF_ROUTE_STATUS = {404: NOT_FOUND, 405: "MethodNotAllowed", 503: "Service Unavailable"}
 
 
 def invalid(message: str) -> EnvelopeError:
@@ -28,4 +29,5 @@ def from_event(event: ErrorEvent) -> EnvelopeError:
 
 def route_error(status: int, message: str) -> Response:
     """An HTTP-level error on a ``/v2`` path, in MindIE's body."""
-    return EnvelopeError(status, message, _OF_ROUTE_STATUS.get(status, VALIDATION)).response()
+    default = VALIDATION if status < 500 else "Generation Error"
+    return EnvelopeError(status, message, _OF_ROUTE_STATUS.get(status, default)).response()

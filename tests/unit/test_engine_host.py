@@ -1,0 +1,146 @@
+"""EngineHost: the generic half of every engine kind (admission, deadline, splice guard,
+accounting, failures as events), over the fake kind; and the engine-kind registry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engines.config import ModelConfig
+from engines.kinds import ENGINE_KINDS, create_engine
+from protocols.internal import (
+    BacktrackEvent,
+    ControllerSpec,
+    ErrorEvent,
+    FinalEvent,
+    ForkEvent,
+    GenerateRequest,
+    OutputOptions,
+    Sampling,
+    TextPrompt,
+    TokenEvent,
+)
+from tests.fake_engine import FakeEngine
+
+
+def _request(rid="r", text="Hi", splices="append", script=None, **sampling) -> GenerateRequest:
+    controller = (ControllerSpec(module="fake-splice", arg=json.dumps(script))
+                  if script is not None else None)
+    return GenerateRequest(request_id=rid, model="m", prompt=TextPrompt(text=text),
+                           sampling=Sampling(**{"max_tokens": 4, **sampling}),
+                           output=OutputOptions(splices=splices), controller=controller)
+
+
+async def _events(engine, request) -> list:
+    return [e async for e in engine.generate(request)]
+
+
+async def test_refused_requests_never_reach_the_engine_kind():
+    engine = FakeEngine()
+    [event] = await _events(engine, _request(text="x" * 64))
+    assert isinstance(event, ErrorEvent) and event.param == "prompt"
+    assert "maximum context length is 64" in event.message
+    assert not engine.model.cancelled and (await engine.stats()).active == 0
+
+
+async def test_admission_reports_the_first_problem_in_a_fixed_order():
+    # the controller is checked before the prompt, the prompt before the sampling options
+    engine = FakeEngine()
+    request = _request(text="", script={}, max_tokens=0)
+    [event] = await _events(engine, request)
+    assert event.param == "controller" and "fake engine" in event.message
+    [event] = await _events(engine, _request(text="", max_tokens=0))
+    assert (event.param, event.message) == ("prompt", "prompt is empty")
+    [event] = await _events(engine, _request(max_tokens=0))
+    assert (event.param, event.message) == ("max_tokens", "max_tokens must be at least 1")
+
+
+async def test_unset_max_tokens_is_the_room_left_in_the_context():
+    events = await _events(FakeEngine(reply="ab"), _request(max_tokens=None, ignore_eos=True))
+    assert events[-1].usage.completion_tokens == 64 - 2
+
+
+async def test_best_of_above_n_is_refused_by_capability():
+    [event] = await _events(FakeEngine(), _request(n=1, best_of=2))
+    assert event.param == "best_of" and "fake engine" in event.message
+
+
+async def test_deadline_ends_open_choices_with_honest_usage():
+    engine = FakeEngine(delay=0.05)
+    request = GenerateRequest(request_id="d", model="m", prompt=TextPrompt(text="Hi"),
+                              sampling=Sampling(n=2, max_tokens=40, ignore_eos=True),
+                              timeout_s=0.3)
+    events = await _events(engine, request)
+    finals = [e for e in events if isinstance(e, FinalEvent)]
+    assert [f.index for f in finals] == [0, 1]  # choice 1 never started: 0 tokens
+    for final in finals:
+        tokens = [e for e in events if isinstance(e, TokenEvent) and e.index == final.index]
+        assert (final.finish_reason, final.stop_reason) == ("abort", "timeout")
+        assert final.usage.completion_tokens == len(tokens)
+    assert engine.model.cancelled == ["d"]  # the engine's stream was closed, not left running
+    assert (await engine.stats()) == type(await engine.stats())(active=0, aborted=0)
+
+
+async def test_closing_early_counts_an_abort_and_closes_the_engine_stream():
+    engine = FakeEngine(delay=0.01)
+    stream = engine.generate(_request(rid="gone", max_tokens=40, ignore_eos=True))
+    await anext(stream)
+    assert (await engine.stats()).active == 1
+    await stream.aclose()
+    stats = await engine.stats()
+    assert (stats.active, stats.aborted) == (0, 1) and engine.model.cancelled == ["gone"]
+
+
+async def test_an_engine_failure_becomes_an_engine_error_event():
+    engine = FakeEngine()
+
+    async def broken(request, admitted):
+        yield TokenEvent(token_id=1, text="x")
+        raise RuntimeError("device lost")
+
+    engine.engine.stream = broken  # type: ignore[method-assign]
+    events = await _events(engine, _request())
+    assert isinstance(events[0], TokenEvent)
+    assert events[-1] == ErrorEvent(kind="engine", message="engine failure: device lost")
+    assert (await engine.stats()).active == 0
+
+
+@pytest.mark.parametrize("splices, allowed", [
+    ("append", ()), ("retract", (BacktrackEvent,)), ("full", (BacktrackEvent, ForkEvent))])
+async def test_splices_reach_only_consumers_that_render_them(splices, allowed):
+    engine = FakeEngine(controllers="splice")
+    script = {"ff": "ab", "backtrack": 2, "fork": 1}
+    events = await _events(engine, _request(splices=splices, script=script, max_tokens=5))
+    assert [e.text for e in events[:2]] == ["a", "b"] and events[0].forced
+    kinds = {type(e) for e in events}
+    assert kinds & {BacktrackEvent, ForkEvent} == set(allowed)
+    if splices == "full":
+        assert sorted(e.index for e in events if isinstance(e, FinalEvent)) == [0, 1]
+    else:
+        refusal = events[-1]
+        assert isinstance(refusal, ErrorEvent) and refusal.param == "controller"
+        assert engine.model.cancelled  # the refused request was stopped in the engine
+
+
+async def test_tokenize_and_reference_capability():
+    engine = FakeEngine()
+    assert await engine.tokenize(TextPrompt(text="ab")) == (97, 98)
+    assert await engine.detokenize((97, 98)) == "ab"
+    with pytest.raises(NotImplementedError, match="fake engine has no reference decoder"):
+        await engine.reference_greedy("ab", 2)
+
+
+def test_engine_kinds_are_validated_and_built_by_name(monkeypatch):
+    with pytest.raises(ValueError, match="unknown engine kind 'nope'"):
+        ModelConfig(engine="nope")
+
+    monkeypatch.setitem(ENGINE_KINDS, "fake", "tests.unit.test_engine_host:_FromConfig")
+    engine = create_engine(ModelConfig(name="x", engine="fake"))
+    # (pytest imports this file under another module name than the kind's path gives)
+    assert type(engine).__name__ == "_FromConfig" and engine.config.name == "x"
+
+
+class _FromConfig:
+    def __init__(self, config: ModelConfig):
+        self.config = config
