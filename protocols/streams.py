@@ -68,8 +68,10 @@ async def reindexed(events: AsyncIterator[Event], base: int) -> AsyncIterator[Ev
 async def fold_splices(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
     """For whole (non-streamed) responses: apply backtracks and forks, so collectors that only
     append see each choice's final tokens. Tokens are held per choice until its FinalEvent
-    (a fork's copy is re-indexed); prompt and error events pass straight through."""
+    (a fork's copy is re-indexed); prompt events pass straight through, and an error, which
+    ends the stream, comes after what was held."""
     held: dict[int, list[TokenEvent]] = {}
+    error: ErrorEvent | None = None
     async for event in events:
         if isinstance(event, TokenEvent):
             held.setdefault(event.index, []).append(event)
@@ -83,11 +85,16 @@ async def fold_splices(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
         elif isinstance(event, ForkEvent):
             held[event.index] = [msgspec.structs.replace(t, index=event.index)
                                  for t in held.get(event.parent, ())]
+        elif isinstance(event, ErrorEvent):
+            error = event
+            break
         else:
             yield event
     for tokens in held.values():  # the stream broke off: what was generated still counts
         for token in tokens:
             yield token
+    if error is not None:
+        yield error
 
 
 _END = object()

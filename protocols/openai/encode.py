@@ -44,6 +44,7 @@ class ChunkMeta:
     created: int
     model: str
     n: int = 1  # choices per prompt: prompt usage is counted once per prompt
+    prompts: int = 1
 
 
 def openai_finish_reason(event: FinalEvent) -> str:
@@ -65,8 +66,12 @@ async def with_echo(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
 
 
 class _UsageCounter:
-    def __init__(self, n: int):
+    """Prompt tokens once per prompt (its first choice); choices past the requested ones are
+    forks of a prompt already counted."""
+
+    def __init__(self, n: int, prompts: int):
         self.n = n
+        self.requested = n * prompts
         self.prompt = 0
         self.completion = 0
 
@@ -74,7 +79,7 @@ class _UsageCounter:
         self.completion += 1
 
     def final(self, event: FinalEvent) -> None:
-        if event.index % self.n == 0:
+        if event.index < self.requested and event.index % self.n == 0:
             self.prompt += event.usage.prompt_tokens
 
     def as_dict(self) -> dict:
@@ -114,7 +119,7 @@ async def completion_chunks(
     events: AsyncIterator[Event], meta: ChunkMeta, *, logprobs: bool, usage: UsageMode
 ) -> AsyncIterator[dict]:
     """``text_completion`` chunks: one per token, one per finished choice, then usage."""
-    counter = _UsageCounter(meta.n)
+    counter = _UsageCounter(meta.n, meta.prompts)
     offsets: dict[int, int] = {}
     head = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model}
     async for event in events:
@@ -151,7 +156,7 @@ async def chat_chunks(
 ) -> AsyncIterator[dict]:
     """``chat.completion.chunk`` s: a role chunk per choice, a content chunk per token, a
     finish chunk per choice, then usage. Every chunk with choices has a ``delta``."""
-    counter = _UsageCounter(meta.n)
+    counter = _UsageCounter(meta.n, meta.prompts)
     head = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
             "model": meta.model}
 
@@ -209,11 +214,11 @@ class Collected:
     usage: dict
 
 
-async def collect(events: AsyncIterator[Event], n: int) -> Collected:
+async def collect(events: AsyncIterator[Event], n: int, prompts: int = 1) -> Collected:
     """Fold a whole event stream for a non-streaming response; an error raises OpenAIError.
     Backtracks are applied; forks become extra choices."""
     choices: dict[int, _Choice] = {}
-    counter = _UsageCounter(n)
+    counter = _UsageCounter(n, prompts)
     async for event in fold_splices(events):
         if isinstance(event, ErrorEvent):
             raise from_event(event)

@@ -109,13 +109,17 @@ async def completions(raw: bytes | dict | CompletionRequest, models: ModelDirect
     """``/v1/completions``; ``raw`` is the JSON body, as bytes or already decoded."""
     body = raw if isinstance(raw, CompletionRequest) else decode_body(raw, CompletionRequest)
     name, engine = _resolve(models, body.model)
-    meta = ChunkMeta(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name, n=body.n)
-    events = await _start(engine, completion_requests(body, name, meta.id), body.echo)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = completion_requests(body, name, request_id)
+    meta = ChunkMeta(id=request_id, created=int(time.time()), model=name, n=body.n,
+                     prompts=len(requests))
+    events = await _start(engine, requests, body.echo)
     logprobs = body.logprobs is not None
     if body.stream:
         return sse(completion_chunks(events, meta, logprobs=logprobs,
                                      usage=_usage_mode(body.stream_options)))
-    return completion_response(await collect(events, body.n), meta, logprobs=logprobs)
+    return completion_response(await collect(events, body.n, meta.prompts), meta,
+                               logprobs=logprobs)
 
 
 async def chat_completions(raw: bytes | dict | ChatCompletionRequest,
