@@ -10,13 +10,13 @@ The app must carry ``app.state.registry`` and ``app.state.config`` (a ``GatewayC
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.internal import EngineClient, ModelNotFound, ModelRequired
+from protocols.internal import EngineClient, ModelDirectory, ModelNotFound, ModelRequired
 from protocols.lmi.errors import (
     dynamic_error,
     frontend_error,
@@ -110,7 +110,9 @@ async def _invoke(request: Request, body: Any, name: str | None):
     raise payload_error(_NO_PAYLOAD)
 
 
-async def _openai(request: Request, handler, body: dict) -> Response:
+async def _openai(request: Request,
+                  handler: Callable[[dict, ModelDirectory], Awaitable[openai_serving.Result]],
+                  body: dict) -> Response:
     """An OpenAI-shaped body, answered by OpenAI's serving layer as newer LMI containers do
     (OpenAI's shapes and errors, ``x-request-id`` echoed)."""
     result = await handler(body, request.app.state.registry)

@@ -23,7 +23,6 @@ __all__ = ["LMI", "LMI_TGI_COMPAT", "TGI", "Dialect", "Generation", "InvalidPara
 
 log = logging.getLogger(__name__)
 
-_MAX_TOP_N = 20  # vLLM's default max_logprobs
 
 
 class InvalidParameters(ValueError):
@@ -37,14 +36,14 @@ class Dialect:
     default_details: bool
     strict_ranges: bool  # TGI: temperature > 0, top_k > 0, top_p and typical_p in (0, 1)
     max_stop_sequences: int | None
-    max_top_n_tokens: int
+    max_top_n_tokens: int | None  # None: as many as the engine reports (admission checks)
     allows_n: bool  # LMI's vLLM extras (n, logprobs, prompt_logprobs, ...)
     stream_prefill: bool  # decoder_input_details allowed on streams
     max_best_of: int | None = None
 
 
-LMI = Dialect("lmi", 30, False, False, None, _MAX_TOP_N, True, True)
-LMI_TGI_COMPAT = Dialect("lmi", 30, True, False, None, _MAX_TOP_N, True, True)
+LMI = Dialect("lmi", 30, False, False, None, None, True, True)
+LMI_TGI_COMPAT = Dialect("lmi", 30, True, False, None, None, True, True)
 TGI = Dialect("tgi", 100, False, True, 4, 5, False, False, max_best_of=2)  # TGI defaults
 
 _KNOWN = frozenset({

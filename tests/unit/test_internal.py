@@ -4,10 +4,12 @@ import msgspec
 import pytest
 
 from protocols.internal import (
+    BacktrackEvent,
     ChatMessage,
     ChatPrompt,
     ErrorEvent,
     FinalEvent,
+    ForkEvent,
     GenerateRequest,
     PromptEvent,
     PromptToken,
@@ -55,3 +57,25 @@ def test_sampling_carries_what_every_protocol_needs():
     decoded = msgspec.json.decode(msgspec.json.encode(sampling), type=Sampling)
     assert decoded.logit_bias == {5: 100.0, 9: -100.0}
     assert decoded == sampling
+
+
+def test_splice_events_round_trip_and_usage_splits_sampled_from_forced():
+    events = [
+        TokenEvent(index=0, token_id=5, text="a", forced=True),
+        BacktrackEvent(index=0, count=1, text="a"),
+        ForkEvent(index=2, parent=0),
+        FinalEvent(index=2, finish_reason="length",
+                   usage=Usage(prompt_tokens=3, completion_tokens=4, forced_tokens=1,
+                               sampled_tokens=6)),
+    ]
+    assert decode_events(encode_events(events)) == events
+    assert Usage(prompt_tokens=1, completion_tokens=5, forced_tokens=2).sampled == 3
+    assert events[-1].usage.sampled == 6
+
+
+def test_append_only_defaults_keep_the_wire_format_unchanged():
+    # omit_defaults: events without splices encode exactly as before the splice fields existed
+    token = TokenEvent(token_id=7, text=" a")
+    assert msgspec.json.encode(token) == b'{"type":"token","token_id":7,"text":" a"}'
+    usage = Usage(prompt_tokens=1, completion_tokens=2)
+    assert msgspec.json.encode(usage) == b'{"prompt_tokens":1,"completion_tokens":2}'

@@ -118,7 +118,7 @@ def test_beam_only_knobs_accepted_without_beams():
     ({"min_p": 2}, "min_p"), ({"do_sample": "yes"}, "do_sample"), ({"details": 1}, "details"),
     ({"seed": -1}, "seed"), ({"seed": True}, "seed"), ({"stop_sequences": [1]}, "stop_sequences"),
     ({"stop_sequences": [""]}, "stop_sequences"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
-    ({"n": 0}, "n"), ({"best_of": 0}, "best_of"), ({"logprobs": 50}, "logprobs"),
+    ({"n": 0}, "n"), ({"best_of": 0}, "best_of"), ({"logprobs": -1}, "logprobs"),
     ({"num_beams": 2}, "num_beams"), ({"typical_p": 0.5}, "typical_p"),
     ({"watermark": True}, "watermark"), ({"grammar": {"type": "json", "value": {}}}, "grammar"),
     ({"adapters": "lora1"}, "adapters"), ({"truncate": 0}, "truncate"),

@@ -118,6 +118,18 @@ async def test_engine_refusal_is_the_seed_error_body(client, stream):
         "requested for the completion")}
 
 
+async def test_top_n_tokens_beyond_the_engine_is_refused_by_admission(client):
+    # LMI's wire format has no bound of its own: the engine's capability decides (the fake's 20)
+    body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "top_n_tokens": 21,
+                                           "details": True}}
+    r = await client.post("/invocations", json=body)
+    assert r.status_code == 400
+    assert r.json() == {**LMI_SEED_ERROR, "error": "logprobs must be in [0, 20]", "code": 400}
+    body["parameters"]["top_n_tokens"] = 20
+    r = await client.post("/invocations", json=body)
+    assert r.status_code == 200 and len(r.json()["details"]["top_tokens"]) == 2
+
+
 async def test_openai_bodies_dispatch(client):
     r = await client.post("/invocations", json={"prompt": "Hi", "max_tokens": 2})
     assert r.json()["object"] == "text_completion" and r.json()["choices"][0]["text"] == "He"
