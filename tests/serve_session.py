@@ -68,8 +68,9 @@ def engine_handle(gateway_url):
 
 # Prefill (SCORE, prompt logprobs) and decode compute the same logprob through different
 # kernels; how far they may drift apart follows the dtype the engine actually computes in. In
-# bf16 a logit near 20 is only resolved to 0.125 (8 significant bits), so two paths can differ
-# by about that much; fp32 keeps them within 1e-3.
+# bf16 a logit near 20 is only resolved to 0.125 (8 significant bits): measured on the embedded
+# model (AVX512-BF16 box, 8 prompts x 16 greedy tokens), SCORE vs GENERATE differed by 0.119 at
+# most (mean 0.02). fp32 keeps them within 1e-3; fp16 has 3 more bits than bf16.
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
 
 
