@@ -80,6 +80,10 @@ class EngineHost:
         except PromptError as exc:
             yield ErrorEvent(kind="validation", message=f"invalid prompt: {exc}", param="prompt")
             return
+        except Exception as exc:  # a broken tokenizer is the engine's failure, still an event
+            log.exception("rendering %s failed", request.request_id)
+            yield ErrorEvent(kind="engine", message=f"engine failure: {exc}")
+            return
         request_id = request.request_id
         self.active.add(request_id)
         progress = _Progress(request, len(admitted.prompt_ids))
@@ -110,34 +114,71 @@ class EngineHost:
                 self.aborted += 1
 
 
+class _Choice:
+    __slots__ = ("forced", "sampled", "spliced", "tokens")
+
+    def __init__(self, tokens: int = 0, spliced: bool = False):
+        self.tokens = tokens  # in the output now
+        self.forced = 0  # appended without sampling, over the run
+        self.sampled = 0  # drawn by the sampler, over the run (retracted ones included)
+        self.spliced = spliced
+
+
 class _Progress:
     """How far each choice got, so a deadline can end the open ones with honest usage; and the
-    guard that keeps splices away from consumers that can only append."""
+    guard that keeps splices to what the consumer renders and to what the contract allows."""
 
     def __init__(self, request: GenerateRequest, prompt_tokens: int):
         self.prompt_tokens = prompt_tokens
         self.splices = request.output.splices
         self.started = time.monotonic()
-        self.tokens = dict.fromkeys(range(request.sampling.n), 0)  # open choices → tokens
+        self.open = {index: _Choice() for index in range(request.sampling.n)}
+        self.seen = set(self.open)  # every index used so far: a fork needs a new one
 
     def see(self, event: Event) -> ErrorEvent | None:
         """Account for ``event``; an ErrorEvent to send instead when it breaks the contract."""
         if isinstance(event, TokenEvent):
-            self.tokens[event.index] = self.tokens.get(event.index, 0) + 1
+            choice = self.open.get(event.index)
+            if choice is None:
+                return _broken(f"a token for choice {event.index}, which is not open")
+            choice.tokens += 1
+            if event.forced:
+                choice.forced += 1
+            else:
+                choice.sampled += 1
         elif isinstance(event, FinalEvent):
-            self.tokens.pop(event.index, None)
+            self.open.pop(event.index, None)
         elif isinstance(event, (BacktrackEvent, ForkEvent)):
             if not splice_allowed(event, self.splices):
                 return splice_refusal(event)
-            if isinstance(event, BacktrackEvent):
-                self.tokens[event.index] -= event.count
-            else:
-                self.tokens[event.index] = self.tokens.get(event.parent, 0)
+            return self._splice(event)
+        return None
+
+    def _splice(self, event: BacktrackEvent | ForkEvent) -> ErrorEvent | None:
+        if isinstance(event, BacktrackEvent):
+            choice = self.open.get(event.index)
+            if choice is None or not 0 <= event.count <= choice.tokens:
+                return _broken(f"a backtrack of {event.count} tokens on choice {event.index}")
+            choice.tokens -= event.count
+            choice.spliced = True
+            return None
+        parent = self.open.get(event.parent)
+        if parent is None or event.index in self.seen:
+            return _broken(f"a fork of choice {event.parent} into index {event.index}")
+        self.seen.add(event.index)
+        self.open[event.index] = _Choice(parent.tokens, spliced=True)
         return None
 
     def close(self, reason: FinishReason, stop_reason: str) -> list[FinalEvent]:
         timings = Timings(ttft_s=time.monotonic() - self.started)
         return [FinalEvent(index=index, finish_reason=reason, stop_reason=stop_reason,
-                           usage=Usage(prompt_tokens=self.prompt_tokens, completion_tokens=count),
+                           usage=Usage(prompt_tokens=self.prompt_tokens,
+                                       completion_tokens=choice.tokens,
+                                       forced_tokens=choice.forced,
+                                       sampled_tokens=choice.sampled if choice.spliced else None),
                            timings=timings)
-                for index, count in sorted(self.tokens.items())]
+                for index, choice in sorted(self.open.items())]
+
+
+def _broken(what: str) -> ErrorEvent:
+    return ErrorEvent(kind="engine", message=f"the engine broke the stream contract: {what}")

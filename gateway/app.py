@@ -32,7 +32,8 @@ __all__ = ["GatewayIngress", "build_app", "create_app"]
 
 log = logging.getLogger(__name__)
 
-_PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/server/metrics"})
+# Probes and metrics answer without the API key (protocols add their own probes).
+_PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/server/metrics"})
 VERSION = "0.1.0"
 
 
@@ -55,13 +56,14 @@ class _ErrorShapes:
 class _BearerAuth:
     """Pure ASGI middleware: ``Authorization: Bearer <key>`` on every route but the probes."""
 
-    def __init__(self, app, api_key: str, errors: _ErrorShapes):
+    def __init__(self, app, api_key: str, errors: _ErrorShapes, public: frozenset[str]):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.errors = errors
+        self.public = public
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or scope["path"] in _PUBLIC_PATHS:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.public:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if headers.get(b"authorization") == self.expected:
@@ -82,7 +84,8 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(MetricsMiddleware)
     if config.api_key:
-        app.add_middleware(_BearerAuth, api_key=config.api_key, errors=errors)
+        public = _PUBLIC_PATHS.union(*(s.public_paths for s in specs))
+        app.add_middleware(_BearerAuth, api_key=config.api_key, errors=errors, public=public)
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_: Request, exc: ProtocolError) -> Response:
@@ -102,26 +105,12 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
         log.exception("unhandled error on %s", request.url.path)
         return errors.response(request.url.path, 500, f"internal error: {type(exc).__name__}")
 
-    async def _health() -> dict[str, bool]:
-        served = registry.items()
-        results = await asyncio.gather(*(e.check_health() for _, e in served),
-                                       return_exceptions=True)
-        return {n: not isinstance(r, BaseException)
-                for (n, _), r in zip(served, results, strict=True)}
-
     @app.get("/health")
     async def health() -> Response:
-        failed = [n for n, ok in (await _health()).items() if not ok]
+        failed = [n for n, ok in (await registry.health()).items() if not ok]
         if failed:
             return JSONResponse({"unhealthy": failed}, status_code=503)
         return Response(status_code=200)
-
-    @app.get("/ping")
-    async def ping() -> JSONResponse:
-        """SageMaker's health check: 200 when every model answers, else 500; a status map."""
-        status = {n: "Healthy" if ok else "Unhealthy" for n, ok in (await _health()).items()}
-        healthy = all(v == "Healthy" for v in status.values())
-        return JSONResponse(status, status_code=200 if healthy else 500)
 
     @app.get("/version")
     async def version() -> dict:

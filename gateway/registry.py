@@ -44,6 +44,14 @@ class ModelRegistry:
             raise ModelNotFound(name)
         return name, engine
 
+    async def health(self) -> dict[str, bool]:
+        """Served model → whether its engine answered a health check."""
+        served = self.items()
+        results = await asyncio.gather(*(e.check_health() for _, e in served),
+                                       return_exceptions=True)
+        return {n: not isinstance(r, BaseException)
+                for (n, _), r in zip(served, results, strict=True)}
+
     async def info(self, name: str) -> ModelInfo:
         """Model metadata, fetched once per model (it doesn't change while serving)."""
         if name not in self._info:

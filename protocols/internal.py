@@ -392,6 +392,8 @@ class ModelDirectory(Protocol):
 
     async def info(self, name: str) -> ModelInfo: ...
 
+    async def health(self) -> dict[str, bool]: ...
+
 
 # --- wire codec between processes (engine replica ↔ ingress) -------------------------------
 

@@ -29,6 +29,8 @@ class ProtocolSpec:
     # The paths whose route-level errors are this protocol's: exact paths and path prefixes.
     paths: frozenset[str] = frozenset()
     prefixes: tuple[str, ...] = ()
+    # Probes that must answer without the gateway's API key (SageMaker's /ping).
+    public_paths: frozenset[str] = frozenset()
 
     def owns(self, path: str) -> bool:
         return self.route_error is not None and (path in self.paths

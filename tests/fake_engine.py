@@ -9,7 +9,7 @@ real :class:`engines.host.EngineHost`, so admission, deadlines and accounting ar
 Controllers: with ``controllers="splice"``, a request whose controller is ``fake-splice`` gets
 the edits its JSON ``arg`` asks for: ``{"ff": "ab"}`` forces those characters first,
 ``{"backtrack": k}`` withdraws the last ``k`` reply tokens and then appends ``"!"``,
-``{"fork": m}`` forks choice 0 into ``m`` more choices at the end.
+``{"fork": m}`` forks choice 0 into ``m`` more choices (indices ``n``, ``n + 1``, ...) at the end.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ class FakeModel:
             if step >= len(self.reply) and not s.ignore_eos:
                 yield TokenEvent(index=index, token_id=0, text="", logprob=-0.01, special=True,
                                  last=not spliced)
-                for event in self._end(index, "eos", None, prompt_len, step + 1, script, text):
+                for event in self._end(request, index, "eos", None, prompt_len, step + 1, script,
+                                       text):
                     yield event
                 return
             char = self.reply[step % len(self.reply)]
@@ -125,15 +126,16 @@ class FakeModel:
                              elapsed_s=0.01 * (step + 1), batch_size=1,
                              queue_s=0.002 if step == 0 else None)
             if stop is not None:
-                for event in self._end(index, "stop_sequence", stop, prompt_len, step + 1, script,
-                                       text):
+                for event in self._end(request, index, "stop_sequence", stop, prompt_len,
+                                       step + 1, script, text):
                     yield event
                 return
-        for event in self._end(index, "length", None, prompt_len, steps, script, text):
+        for event in self._end(request, index, "length", None, prompt_len, steps, script, text):
             yield event
 
     @staticmethod
-    def _end(index, reason, stop_reason, prompt_len, generated, script, text) -> list[Event]:
+    def _end(request, index, reason, stop_reason, prompt_len, generated, script, text
+             ) -> list[Event]:
         """The scripted splices, then the final events of the choice and of its forks."""
         events: list[Event] = []
         forced = len(script.get("ff", ""))
@@ -142,7 +144,7 @@ class FakeModel:
             events.append(BacktrackEvent(index=index, count=backtrack, text=text[-backtrack:]))
             events.append(TokenEvent(index=index, token_id=ord("!"), text="!"))
             generated += 1
-        forks = [index + 1 + j for j in range(script.get("fork", 0))]
+        forks = [request.sampling.n + j for j in range(script.get("fork", 0))]
         events.extend(ForkEvent(index=fork, parent=index) for fork in forks)
         completion = forced + generated - backtrack
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=completion,

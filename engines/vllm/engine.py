@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from engines.base import Admitted, PromptError, ReferenceOutput
@@ -106,15 +107,16 @@ class VLLMEngine:
             yield ErrorEvent(kind="validation", message=str(exc))
             return
         request_id = request.request_id
-        stream = self._llm.generate({"prompt_token_ids": admitted.prompt_ids}, params, request_id,
-                                    priority=request.priority if self._priority else 0)
+        outputs = self._llm.generate({"prompt_token_ids": admitted.prompt_ids}, params,
+                                     request_id, priority=request.priority if self._priority else 0)
         translator = Translator(request, admitted.prompt_ids, self._special_ids, self._tokenizer,
                                 batch_size=self._llm.get_num_unfinished_requests)
         finished = False
         try:
-            async for output in stream:
-                for event in translator.feed(output):
-                    yield event
+            async with aclosing(outputs):  # vLLM's generator is closed now, not when collected
+                async for output in outputs:
+                    for event in translator.feed(output):
+                        yield event
             finished = True
         except (ValueError, VLLMClientError) as exc:  # vLLM's own admission checks
             yield ErrorEvent(kind="validation", message=str(exc))

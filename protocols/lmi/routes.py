@@ -1,5 +1,5 @@
 """SageMaker / DJL Serving LMI routes: ``/invocations``, ``/predictions/{model}``,
-``/models/{model}/invoke`` and ``/models`` (SageMaker's ``/ping`` is the gateway's).
+``/models/{model}/invoke``, ``/models`` and SageMaker's ``/ping``.
 
 A body with ``inputs`` is LMI (a string: rolling batch; a list: dynamic batch); ``prompt`` or
 ``messages`` is an OpenAI completion or chat request, as newer LMI containers dispatch it.
@@ -204,6 +204,14 @@ async def _dynamic_stream(streams: list[Peeked]) -> AsyncIterator[dict]:
             yield line
     except GenerationFailed as exc:  # the 200 is already sent: the error is the last line
         yield dynamic_error(str(exc)).body
+
+
+@router.get("/ping")
+async def ping(request: Request) -> JSONResponse:
+    """SageMaker's health check: 200 when every model answers, else 500; a status map."""
+    health = await request.app.state.registry.health()
+    status = {n: "Healthy" if ok else "Unhealthy" for n, ok in health.items()}
+    return JSONResponse(status, status_code=200 if all(health.values()) else 500)
 
 
 @router.get("/models")

@@ -76,13 +76,9 @@ async def live() -> Response:
 
 @router.get("/v2/health/ready")
 async def ready(request: Request) -> Response:
-    for _, engine in request.app.state.registry.items():
-        try:
-            await engine.check_health()
-            return Response(status_code=200)
-        except Exception:
-            continue
-    return Response(status_code=503)
+    """Ready when any served model's engine answers."""
+    healthy = any((await request.app.state.registry.health()).values())
+    return Response(status_code=200 if healthy else 503)
 
 
 @router.get("/v2")

@@ -44,7 +44,7 @@ from protocols.openai.schemas import (
     TokenizeRequest,
 )
 from protocols.openai.translate import chat_messages, chat_request, completion_requests, decode_body
-from protocols.streams import Peeked, merge, peek, reindexed
+from protocols.streams import Peeked, fold_splices, merge, peek, reindexed
 
 __all__ = ["Result", "as_response", "chat_completions", "completions", "detokenize", "get_model",
            "list_models", "tokenize"]
@@ -92,16 +92,21 @@ def _usage_mode(options: StreamOptions | None):
     return "continuous" if options.continuous_usage_stats else "final"
 
 
-async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bool) -> AsyncIterator:
-    """Start every sub-request, peek each, and merge them into one event stream."""
+async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bool,
+                 stream: bool) -> AsyncIterator:
+    """Start every sub-request, peek each, and merge them into one event stream. A whole
+    response's splices are folded before the prompt is echoed, so a fork copies the echo once
+    and a backtrack cannot withdraw it."""
     peeked: list[Peeked] = list(await asyncio.gather(*(peek(engine.generate(r)) for r in requests)))
     for p in peeked:
         if p.error is not None:
             await asyncio.gather(*(q.aclose() for q in peeked), return_exceptions=True)
             raise from_event(p.error)
     n = requests[0].sampling.n
-    streams = [reindexed(with_echo(aiter(p)) if echo else aiter(p), i * n)
-               for i, p in enumerate(peeked)]
+    streams = []
+    for i, p in enumerate(peeked):
+        events = aiter(p) if stream else fold_splices(aiter(p))
+        streams.append(reindexed(with_echo(events) if echo else events, i * n))
     return merge(streams)
 
 
@@ -113,7 +118,7 @@ async def completions(raw: bytes | dict | CompletionRequest, models: ModelDirect
     requests = completion_requests(body, name, request_id)
     meta = ChunkMeta(id=request_id, created=int(time.time()), model=name, n=body.n,
                      prompts=len(requests))
-    events = await _start(engine, requests, body.echo)
+    events = await _start(engine, requests, body.echo, body.stream)
     logprobs = body.logprobs is not None
     if body.stream:
         return sse(completion_chunks(events, meta, logprobs=logprobs,
@@ -130,7 +135,8 @@ async def chat_completions(raw: bytes | dict | ChatCompletionRequest,
     name, engine = _resolve(models, body.model)
     meta = ChunkMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name,
                      n=body.n)
-    events = await _start(engine, [chat_request(body, name, meta.id)], echo=False)
+    events = await _start(engine, [chat_request(body, name, meta.id)], echo=False,
+                          stream=body.stream)
     if body.stream:
         return sse(chat_chunks(events, meta, choices=body.n, logprobs=body.logprobs,
                                usage=_usage_mode(body.stream_options)))

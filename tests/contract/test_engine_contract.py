@@ -40,16 +40,19 @@ class Kind:
     deadline_s: float  # shorter than the long request below takes on this kind
 
 
-@pytest.fixture(params=["fake", "vllm"])
+@pytest.fixture(params=["fake", pytest.param("vllm", marks=pytest.mark.e2e)])
 async def engine(request) -> Kind:
+    """One client per engine kind: a new kind adds a parameter and a branch here."""
     if request.param == "fake":
         client: EngineClient = FakeEngine(delay=0.02)
         deadline = 0.3
-    else:
+    elif request.param == "vllm":  # the session's Ray Serve deployment (tests/serve_session.py)
         from gateway.engine_client import ServeEngineClient
 
         client = ServeEngineClient(request.getfixturevalue("engine_handle"))
         deadline = 1.0
+    else:
+        raise AssertionError(f"no client for engine kind {request.param}")
     return Kind(request.param, client, await client.model_info(), deadline)
 
 
@@ -152,7 +155,8 @@ def _refusals(info: ModelInfo) -> list[tuple[str, GenerateRequest]]:
         ("stop_token_ids", _request("stops", sampling=Sampling(stop_token_ids=(vocab + 5,)))),
         ("logprobs", _request("lp", output=OutputOptions(logprobs=(caps.max_logprobs or 0) + 1))),
         ("n", _request("n", sampling=Sampling(n=caps.max_n + 1, max_tokens=2))),
-        ("controller", _request("ctl", controller=ControllerSpec(module="none"))),
+        # no kind runs a controller it does not know (kinds without controllers: none at all)
+        ("controller", _request("ctl", controller=ControllerSpec(module="no-such-controller"))),
     ]
 
 

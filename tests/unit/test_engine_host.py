@@ -3,8 +3,10 @@ accounting, failures as events), over the fake kind; and the engine-kind registr
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import msgspec
 import pytest
 
 from engines.config import ModelConfig
@@ -20,6 +22,7 @@ from protocols.internal import (
     Sampling,
     TextPrompt,
     TokenEvent,
+    Usage,
 )
 from tests.fake_engine import FakeEngine
 
@@ -144,3 +147,96 @@ def test_engine_kinds_are_validated_and_built_by_name(monkeypatch):
 class _FromConfig:
     def __init__(self, config: ModelConfig):
         self.config = config
+
+
+class _Scripted(FakeEngine):
+    """A fake whose engine splices as ``script`` says, whatever the stream sends."""
+
+    def __init__(self, script: dict, **kwargs):
+        super().__init__(controllers="splice", **kwargs)
+        self.script = script
+
+    def generate(self, request):
+        controller = ControllerSpec(module="fake-splice", arg=json.dumps(self.script))
+        return super().generate(msgspec.structs.replace(request, controller=controller))
+
+
+def _raw(events):
+    """An engine kind whose stream is exactly ``events``."""
+    engine = FakeEngine(controllers="splice")
+
+    async def stream(request, admitted):
+        for event in events:
+            yield event
+
+    engine.engine.stream = stream  # type: ignore[method-assign]
+    return engine
+
+
+@pytest.mark.parametrize("events, what", [
+    ([TokenEvent(token_id=1, text="x"), ForkEvent(index=0, parent=0)], "fork of choice 0 into"),
+    ([TokenEvent(token_id=1, text="x"), BacktrackEvent(count=2)], "backtrack of 2 tokens"),
+    ([TokenEvent(index=3, token_id=1, text="x")], "choice 3, which is not open"),
+])
+async def test_the_host_refuses_splices_that_break_the_contract(events, what):
+    out = await _events(_raw(events), _request(splices="full"))
+    assert out[-1].kind == "engine" and what in out[-1].message
+
+
+async def test_a_deadline_reports_forced_and_sampled_tokens_of_spliced_choices():
+    engine = _raw([TokenEvent(token_id=1, text="a", forced=True), TokenEvent(token_id=2, text="b"),
+                   TokenEvent(token_id=3, text="c"), BacktrackEvent(count=1, text="c"),
+                   ForkEvent(index=1, parent=0)])
+
+    async def slow(request, admitted, inner=engine.engine.stream):
+        async for event in inner(request, admitted):
+            yield event
+        await asyncio.sleep(10)
+
+    engine.engine.stream = slow  # type: ignore[method-assign]
+    request = msgspec.structs.replace(_request(splices="full"), timeout_s=0.2)
+    finals = [e for e in await _events(engine, request) if isinstance(e, FinalEvent)]
+    usages = {f.index: f.usage for f in finals}
+    assert usages[0] == Usage(prompt_tokens=2, completion_tokens=2, forced_tokens=1,
+                              sampled_tokens=2)
+    assert usages[1] == Usage(prompt_tokens=2, completion_tokens=2, sampled_tokens=0)
+
+
+async def test_openai_whole_response_folds_splices_before_echoing_the_prompt(client_for):
+    # forced "ab", sampled "Hel", "l" withdrawn, "!" appended, then a fork of choice 0
+    async with client_for(_Scripted({"ff": "ab", "backtrack": 1, "fork": 1})) as c:
+        r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "echo": True})
+    body = r.json()
+    assert [c["text"] for c in body["choices"]] == ["HiabHe!", "HiabHe!"]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 10, "total_tokens": 12}
+
+
+async def test_a_backtrack_over_the_first_token_keeps_the_echo(client_for):
+    async with client_for(_Scripted({"backtrack": 3})) as c:
+        r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "echo": True})
+    assert r.json()["choices"][0]["text"] == "Hi!"
+
+
+async def test_a_stream_gets_the_splice_refusal_in_its_shape(client_for):
+    async with client_for(_Scripted({"ff": "ab", "backtrack": 1})) as c:
+        r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "abHel"
+    assert chunks[-1]["error"]["param"] == "controller"
+    assert "cannot show" in chunks[-1]["error"]["message"]
+
+
+@pytest.fixture
+def client_for():
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.registry import ModelRegistry
+
+    def make(engine):
+        app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig())
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+    return make
