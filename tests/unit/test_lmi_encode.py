@@ -27,17 +27,9 @@ from protocols.textgen.encode import (
     stream_objects,
 )
 from tests.seed_examples import LMI_SEED_STREAM_ERROR, LMI_SEED_STREAM_TOKENS
+from tests.streams import _aiter, _list
 
 INPUTS = "What is Deep Learning?"
-
-
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
-async def _list(agen):
-    return [x async for x in agen]
 
 
 def _seed_events(finish="length", extra_text=""):

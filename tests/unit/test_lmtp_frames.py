@@ -8,15 +8,7 @@ from protocols.internal import FinalEvent, PromptEvent, PromptToken, TokenEvent,
 from protocols.lmtp.encode import generate_items, score_items
 from protocols.lmtp.frames import FrameError, format_frame, parse_frame
 from protocols.lmtp.translate import LMTPError, generate_request, score_request
-
-
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
-async def _list(agen):
-    return [x async for x in agen]
+from tests.streams import _aiter, _list
 
 
 def test_parse_frame_splits_on_first_space():

@@ -9,6 +9,7 @@ from protocols.internal import FinalEvent, TokenEvent, Usage
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
 from protocols.mindie.validate import to_request
 from tests.seed_examples import MINDIE_SEED_EXAMPLE
+from tests.streams import _aiter
 
 VOCAB = 1000
 
@@ -116,11 +117,6 @@ def test_parameters_must_be_an_object():
         _req({"text_input": "hi", "parameters": [1]})
     with pytest.raises(EnvelopeError):
         _req([1, 2])
-
-
-async def _aiter(items):
-    for item in items:
-        yield item
 
 
 def _tok(text, step, last=False, queue=None, batch=3):

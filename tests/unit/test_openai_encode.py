@@ -12,17 +12,9 @@ from protocols.openai.encode import (
     sse,
     with_echo,
 )
+from tests.streams import _aiter, _list
 
 META = ChunkMeta(id="cmpl-1", created=1, model="m")
-
-
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
-async def _list(agen):
-    return [x async for x in agen]
 
 
 def _tokens(text, index=0, logprobs=False):

@@ -28,17 +28,9 @@ from protocols.streams import fold_splices, reindexed
 from protocols.textgen.encode import GenerationFailed, LMIWriter, TGIWriter, dynamic_lines, stream_objects
 from protocols.textgen.encode import ResponseMeta as TextgenMeta
 from protocols.textgen.encode import collect as textgen_collect
+from tests.streams import _aiter, _list
 
 META = ChunkMeta(id="cmpl-1", created=1, model="m")
-
-
-async def _aiter(items):
-    for item in items:
-        yield item
-
-
-async def _list(agen):
-    return [x async for x in agen]
 
 
 def _t(text, index=0, forced=False):
