@@ -3,12 +3,16 @@ shared by the end-to-end tests and the engine contract suite's real-engine runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
+import uvicorn
 
 from engines.config import ModelConfig
 from engines.embedded import EMBEDDED_MODEL_NAME
@@ -78,3 +82,23 @@ LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
 def logprob_tolerance(engine_handle) -> float:
     """Absolute tolerance between logprobs of one token computed on different engine paths."""
     return LOGPROB_TOLERANCE[engine_handle.model_info.remote().result().dtype]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn on a free port in a background thread."""
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "uvicorn did not shut down"

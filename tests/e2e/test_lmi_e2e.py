@@ -5,9 +5,7 @@ what TGI users run, and a second in-process app for LMI's TGI-compatible mode.""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 import time
 from collections.abc import Iterator
 
@@ -15,7 +13,6 @@ import httpx
 import msgspec
 import pytest
 import text_generation
-import uvicorn
 from huggingface_hub import InferenceClient
 from text_generation.errors import ValidationError as TGIValidationError
 
@@ -24,8 +21,9 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.engine_client import ServeEngineClient
 from gateway.registry import ModelRegistry
-from tests.e2e.conftest import MODEL, _free_port
+from tests.e2e.conftest import MODEL
 from tests.seed_examples import LMI_SEED_ERROR, LMI_SEED_REQUEST
+from tests.serve_session import serve_in_thread
 
 PROMPT = "The capital of France is"
 # Greedy ends on <|im_end|> after 13 tokens (checked below), so ignore_eos_token is observable.
@@ -122,31 +120,11 @@ def _wait_for_abort(http: httpx.Client, before: int) -> dict:
     return stats
 
 
-@contextlib.contextmanager
-def _serve_in_thread(app) -> Iterator[str]:
-    """Serve an ASGI app with uvicorn on a free port in a background thread."""
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "uvicorn did not shut down"
-
-
 @pytest.fixture(scope="module")
 def compat_url(engine_handle) -> Iterator[str]:
     """A second gateway app in LMI's TGI-compatible mode over the session's engine."""
     registry = ModelRegistry({MODEL: ServeEngineClient(engine_handle)})
-    with _serve_in_thread(create_app(registry, GatewayConfig(lmi_tgi_compat=True))) as url:
+    with serve_in_thread(create_app(registry, GatewayConfig(lmi_tgi_compat=True))) as url:
         yield url
 
 
@@ -157,7 +135,7 @@ def two_model_url(engine_handle) -> Iterator[str]:
     config = GatewayConfig(models=[ModelConfig(name=MODEL), ModelConfig(name="second")],
                            lmi_output_formatter="sse", tgi_model="second")
     registry = ModelRegistry({MODEL: client, "second": client})
-    with _serve_in_thread(create_app(registry, config)) as url:
+    with serve_in_thread(create_app(registry, config)) as url:
         yield url
 
 
