@@ -46,10 +46,10 @@ class _ErrorShapes:
         self.owners = [s for s in specs if s.route_error is not None]
 
     def response(self, path: str, status: int, message: str) -> Response:
-        owner = next((s for s in self.owners if s.owns(path)), None) or next(iter(self.owners),
-                                                                              None)
-        if owner is None or owner.route_error is None:
+        if not self.owners:
             return JSONResponse({"detail": message}, status_code=status)
+        owner = next((s for s in self.owners if s.owns(path)), self.owners[0])
+        assert owner.route_error is not None  # owners all have one
         return owner.route_error(status, message)
 
 

@@ -18,6 +18,7 @@ from protocols.internal import (
     ForkEvent,
     PromptEvent,
     TokenEvent,
+    as_error,
     splice_refusal,
 )
 from protocols.openai.errors import error_body, from_event
@@ -123,8 +124,8 @@ async def completion_chunks(
     offsets: dict[int, int] = {}
     head = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model}
     async for event in events:
-        if isinstance(event, ErrorEvent):
-            yield _error_chunk(event)
+        if isinstance(event, (ErrorEvent, BacktrackEvent, ForkEvent)):  # a stream only grows
+            yield _error_chunk(as_error(event))
             return
         if isinstance(event, TokenEvent):
             counter.token()
@@ -137,9 +138,6 @@ async def completion_chunks(
             counter.final(event)
             choice = {"index": event.index, "text": event.text, "logprobs": None,
                       "finish_reason": openai_finish_reason(event), "stop_reason": event.stop_reason}
-        elif isinstance(event, (BacktrackEvent, ForkEvent)):  # a stream can't take text back
-            yield _error_chunk(splice_refusal(event))
-            return
         else:
             continue
         chunk = {**head, "choices": [choice]}

@@ -94,9 +94,9 @@ def _usage_mode(options: StreamOptions | None):
 
 async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bool,
                  stream: bool) -> AsyncIterator:
-    """Start every sub-request, peek each, and merge them into one event stream. A whole
-    response's splices are folded before the prompt is echoed, so a fork copies the echo once
-    and a backtrack cannot withdraw it."""
+    """Start every sub-request, peek each, and merge them into one event stream. With echo, a
+    whole response's splices are folded before the prompt is echoed (``collect`` folds the
+    rest), so a fork copies the echo once and a backtrack cannot withdraw it."""
     peeked: list[Peeked] = list(await asyncio.gather(*(peek(engine.generate(r)) for r in requests)))
     for p in peeked:
         if p.error is not None:
@@ -105,7 +105,7 @@ async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bo
     n = requests[0].sampling.n
     streams = []
     for i, p in enumerate(peeked):
-        events = aiter(p) if stream else fold_splices(aiter(p))
+        events = fold_splices(aiter(p)) if echo and not stream else aiter(p)
         streams.append(reindexed(with_echo(events) if echo else events, i * n))
     return merge(streams)
 

@@ -32,7 +32,6 @@ from protocols.internal import (
     PromptToken,
     TokenEvent,
     as_error,
-    splice_refusal,
 )
 from protocols.streams import fold_splices
 
@@ -333,10 +332,8 @@ async def _texts(events: AsyncIterator[Event]) -> AsyncIterator[str]:
     """Per generated token, the text it adds (special tokens add none)."""
     held: TokenEvent | None = None
     async for event in events:
-        if isinstance(event, ErrorEvent):
-            raise GenerationFailed(event)
-        if isinstance(event, (BacktrackEvent, ForkEvent)):
-            raise GenerationFailed(splice_refusal(event))
+        if isinstance(event, (ErrorEvent, BacktrackEvent, ForkEvent)):  # a stream only grows
+            raise GenerationFailed(as_error(event))
         if isinstance(event, TokenEvent):
             if held is not None:
                 yield _plain(held)
