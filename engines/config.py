@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
-from engines.embedded import EMBEDDED_MODEL_NAME
-from engines.kinds import ENGINE_KINDS
+from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
+from engines.kinds import ENGINE_KINDS, check_engine_args
 
 __all__ = ["ModelConfig"]
 
@@ -18,7 +18,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``engine``: the engine kind serving it (``engines.kinds.ENGINE_KINDS``).
     ``source``: ``embedded:smollm2-135m-instruct`` or a local Hugging Face model directory.
     ``engine_args``: the kind's own options (``vllm``: ``AsyncEngineArgs`` on top of
-    ``engines.vllm.args.DEFAULT_ENGINE_ARGS``).
+    ``engines.vllm.args.DEFAULT_ENGINE_ARGS``; ``pipeline``: ``engines.pipeline.config.
+    PipelineArgs``, checked here).
     ``num_cpus``: Ray CPUs reserved per replica; fractional so small boxes can schedule it
     (vLLM's own threads are bound by its CPU backend, not by this number).
     """
@@ -40,3 +41,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"model {self.name!r}: unknown engine kind {self.engine!r}; "
                              f"known: {sorted(ENGINE_KINDS)}")
+        try:
+            check_engine_args(self, local_model_dir(self.source))
+        except ValueError as exc:
+            raise ValueError(f"model {self.name!r}: {exc}") from None

@@ -21,6 +21,7 @@ __all__ = [
     "EMBEDDED_MODEL_NAME",
     "cache_root",
     "embedded_gguf_path",
+    "local_model_dir",
     "prepare_embedded_model",
     "resolve_model_source",
 ]
@@ -141,6 +142,16 @@ def resolve_model_source(source: str) -> str:
     if not (path / "config.json").is_file():
         raise ValueError(f"model source {source!r} is not a local Hugging Face model directory")
     return str(path)
+
+
+def local_model_dir(source: str) -> str | None:
+    """The model directory of ``source`` if it is readable here, without preparing anything
+    (config checks at load time; a remote head may not have it)."""
+    if source.startswith(_EMBEDDED_PREFIX):
+        target = cache_root() / "models" / source.removeprefix(_EMBEDDED_PREFIX)
+    else:
+        target = Path(source).expanduser()
+    return str(target) if (target / "config.json").is_file() else None
 
 
 if __name__ == "__main__":

@@ -14,21 +14,19 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from engines.base import Admitted, PromptError, ReferenceOutput
+from engines.base import Admitted, ReferenceOutput
 from engines.config import ModelConfig
 from engines.embedded import resolve_model_source
+from engines.tokens import render_prompt
 from engines.vllm.args import engine_args
 from engines.vllm.translate import Translator
 from protocols.internal import (
     Capabilities,
-    ChatPrompt,
     ErrorEvent,
     Event,
     GenerateRequest,
     ModelInfo,
     Prompt,
-    TextPrompt,
-    TokenPrompt,
 )
 
 __all__ = ["VLLMEngine"]
@@ -77,23 +75,7 @@ class VLLMEngine:
         await self._llm.check_health()
 
     def render(self, prompt: Prompt) -> list[int]:
-        try:
-            if isinstance(prompt, TokenPrompt):
-                return list(prompt.token_ids)
-            if isinstance(prompt, TextPrompt):
-                return self._tokenizer.encode(prompt.text,
-                                              add_special_tokens=prompt.add_special_tokens)
-            if isinstance(prompt, ChatPrompt):
-                text = self._tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in prompt.messages],
-                    add_generation_prompt=prompt.add_generation_prompt,
-                    continue_final_message=prompt.continue_final_message,
-                    tokenize=False,
-                )
-                return self._tokenizer.encode(text, add_special_tokens=False)
-        except Exception as exc:  # the tokenizer or the chat template refused this prompt
-            raise PromptError(str(exc)) from exc
-        raise PromptError(f"unsupported prompt type {type(prompt).__name__}")
+        return render_prompt(self._tokenizer, prompt)
 
     def detokenize(self, token_ids: tuple[int, ...]) -> str:
         return self._tokenizer.decode(list(token_ids))

@@ -1,0 +1,304 @@
+"""The ``pipeline`` engine kind: the origin of a layer-split model, as an engine contract.
+
+The replica holds the tokenizer, the embedding, the first ``origin_layers`` layers, the final
+norm, the head and the sampler; stage actors hold the other layers (``RayStages``). Every
+protocol works on it unchanged because it yields the same events as any kind. Each choice is
+its own sequence in the pipe; up to ``max_sequences`` run at once, so stages overlap work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engines.base import Admitted, ReferenceOutput
+from engines.config import ModelConfig
+from engines.embedded import resolve_model_source
+from engines.pipeline.config import PipelineArgs, parse_args, plan_stages
+from engines.pipeline.origin import Origin, PipelineFailure, RayStages, Sequence, Stages
+from engines.pipeline.sampling import Sampler
+from engines.pipeline.text import OutputText
+from engines.tokens import render_prompt
+from protocols.internal import (
+    Capabilities,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    FinishReason,
+    GenerateRequest,
+    ModelInfo,
+    Prompt,
+    PromptEvent,
+    PromptToken,
+    Timings,
+    TokenEvent,
+    TopLogprob,
+    Usage,
+)
+
+__all__ = ["PipelineEngine"]
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+class PipelineEngine:
+    """An :class:`engines.base.Engine` (and ReferenceEngine: the unsplit HF model)."""
+
+    def __init__(self, config: ModelConfig, stages: Stages | None = None):
+        import torch
+        from transformers import AutoTokenizer
+
+        from engines.pipeline.loading import load_config, load_origin, text_config
+
+        self.config = config
+        self.args: PipelineArgs = parse_args(config.engine_args)
+        self.model_path = resolve_model_source(config.source)
+        hf_config = load_config(self.model_path)
+        tcfg = text_config(hf_config)
+        self.ranges = plan_stages(self.args, tcfg.num_hidden_layers)
+        self.dtype = getattr(torch, self.args.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        parts = load_origin(self.model_path, self.args.origin_layers, self.dtype,
+                            self.args.attn_implementation, hf_config)
+        self.stages = stages or RayStages(self.model_path, self.ranges, self.args)
+        self.origin = Origin(parts, self.args.origin_layers, self.stages,
+                             prefill_chunk=self.args.prefill_chunk,
+                             max_restarts=self.args.max_restarts, check_digest=self.args.digest,
+                             threads=self.args.origin_threads)
+        self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        vocab_size = parts.head_weight.shape[0]
+        limit = self.args.max_model_len or min(tcfg.max_position_embeddings, 4096)
+        self._info = ModelInfo(
+            name=config.name, root=self.model_path, max_model_len=limit, vocab_size=vocab_size,
+            eos_token_id=self.tokenizer.eos_token_id, engine=config.engine, dtype=self.args.dtype,
+            capabilities=Capabilities(controllers="none", max_logprobs=MAX_LOGPROBS,
+                                      max_prompt_logprobs=MAX_LOGPROBS, max_n=MAX_N,
+                                      best_of_above_n=False, priority=False))
+        self._slots = asyncio.Semaphore(self.args.max_sequences)
+        self.live = 0  # sequences in the pipe now
+        self._reference = None
+
+    # --- Engine -----------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    async def check_health(self) -> None:
+        await self.stages.check()
+
+    def render(self, prompt: Prompt) -> list[int]:
+        return render_prompt(self.tokenizer, prompt)
+
+    def detokenize(self, token_ids: tuple[int, ...]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    async def stream(self, request: GenerateRequest, admitted: Admitted) -> AsyncIterator[Event]:
+        started = time.monotonic()
+        n = request.sampling.n
+        if n == 1:
+            gen = self._choice(request, admitted, 0, started, None)
+            async with contextlib.aclosing(gen):
+                async for event in gen:
+                    yield event
+            return
+        # n > 1: one task per choice into a bounded queue; choice 0 goes first with the prompt
+        # event, the others start once it is out (the contract puts it before every token).
+        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        prompt_out = asyncio.Event()
+
+        async def run(index: int) -> None:
+            if index:
+                await prompt_out.wait()
+            try:
+                async for event in self._choice(request, admitted, index, started, prompt_out):
+                    await queue.put(event)
+            except Exception as exc:
+                await queue.put(exc)
+            finally:
+                prompt_out.set()
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(run(i)) for i in range(n)]
+        try:
+            done = 0
+            while done < n:
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+                    if isinstance(item, ErrorEvent):
+                        return
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- one choice ---------------------------------------------------------------------
+
+    async def _choice(self, request: GenerateRequest, admitted: Admitted, index: int,
+                      started: float, prompt_out: asyncio.Event | None) -> AsyncIterator[Event]:
+        s, out = request.sampling, request.output
+        prompt_ids = admitted.prompt_ids
+        want_prompt = index == 0 and (out.echo or out.prompt_logprobs is not None)
+        seq = Sequence(seq_id=f"{request.request_id}/{index}", tokens=list(prompt_ids))
+        sampler = Sampler(s, prompt_ids, self.eos_ids if not s.ignore_eos else frozenset(),
+                          self._info.vocab_size, seed_offset=index)
+        text = OutputText(self.tokenizer, prompt_ids, out.skip_special_tokens, s.stop,
+                          s.include_stop_str_in_output)
+        waiting = time.monotonic()
+        async with self._slots:
+            queue_s = time.monotonic() - waiting
+            self.live += 1
+            try:
+                try:
+                    hidden = await self.origin.hidden(seq, every=want_prompt)
+                    if want_prompt:
+                        yield await self.origin.run(self._prompt_event, prompt_ids, hidden,
+                                                    out.prompt_logprobs)
+                        hidden = [hidden[-1][:, -1:]]
+                    if prompt_out is not None:
+                        prompt_out.set()
+                    first_token_at = None
+                    generated = 0
+                    while True:
+                        token, logprobs = await self.origin.run(self._sample, sampler,
+                                                                hidden[-1], out.logprobs)
+                        seq.tokens.append(token)
+                        generated += 1
+                        now = time.monotonic()
+                        first_token_at = first_token_at or now
+                        reason, stop_reason, delta, piece = self._advance(
+                            token, text, s, generated, admitted.max_tokens, len(seq.tokens))
+                        yield TokenEvent(
+                            index=index, token_id=token, text=delta,
+                            logprob=logprobs.token_logprob if logprobs else None,
+                            top_logprobs=self._top(logprobs),
+                            special=token in self.special_ids,
+                            token_text=self.tokenizer.decode([token]) if logprobs else None,
+                            piece=piece if out.token_pieces else None,
+                            last=reason is not None, elapsed_s=now - started,
+                            batch_size=self.live, queue_s=queue_s if generated == 1 else None)
+                        if reason is not None:
+                            yield FinalEvent(
+                                index=index, finish_reason=reason, stop_reason=stop_reason,
+                                usage=Usage(prompt_tokens=len(prompt_ids),
+                                            completion_tokens=generated),
+                                timings=Timings(queue_s=queue_s, ttft_s=first_token_at - started,
+                                                decode_s=now - first_token_at),
+                                text=text.flush() if stop_reason is None or
+                                isinstance(stop_reason, int) else "")
+                            return
+                        hidden = await self.origin.hidden(seq)
+                except PipelineFailure as exc:
+                    log.error("%s: %s", seq.seq_id, exc)
+                    yield ErrorEvent(kind="engine", message=str(exc))
+            finally:
+                self.live -= 1
+                self.origin.release(seq.seq_id)  # completion, error, disconnect, deadline
+
+    def _advance(self, token: int, text: OutputText, s, generated: int, max_tokens: int,
+                 length: int) -> tuple[FinishReason | None, str | int | None, str, str]:
+        """Why the choice ends after ``token`` (or None), the stop reason, the text delta to
+        send and the token's own piece of text."""
+        if token in self.eos_ids and not s.ignore_eos:
+            # An EOS's text is not output (vLLM); the model's extra EOS ids count as EOS.
+            return "eos", None if token == self.tokenizer.eos_token_id else token, "", ""
+        if token in s.stop_token_ids:
+            if s.include_stop_str_in_output:
+                piece, delta, _ = text.add(token)
+                return "stop_sequence", token, delta, piece
+            return "stop_sequence", token, "", ""
+        piece, delta, stop = text.add(token)
+        if stop is not None:
+            return "stop_sequence", stop, delta, piece
+        if generated >= max_tokens or length >= self._info.max_model_len:
+            return "length", None, delta, piece
+        return None, None, delta, piece
+
+    def _sample(self, sampler: Sampler, hidden, logprobs: int | None):
+        return sampler.sample(self.origin.logits(hidden)[-1], logprobs)
+
+    def _top(self, logprobs) -> tuple[TopLogprob, ...]:
+        if not logprobs:
+            return ()
+        return tuple(TopLogprob(token_id=t, text=self.tokenizer.decode([t]), logprob=lp)
+                     for t, lp in logprobs.top)
+
+    def _prompt_event(self, prompt_ids: list[int], hidden_chunks: list[Any],
+                      k: int | None) -> PromptEvent:
+        """Per prompt position: the logprob of that token given the ones before (none for the
+        first), and the top ``k`` alternatives; computed chunk by chunk to bound memory."""
+        import torch
+
+        tokens: list[PromptToken] = [PromptToken(token_id=prompt_ids[0],
+                                                 text=self.tokenizer.decode([prompt_ids[0]]))]
+        position = 0
+        for hidden in hidden_chunks:
+            logprobs = torch.log_softmax(self.origin.logits(hidden), dim=-1)
+            for row in logprobs:
+                position += 1
+                if position >= len(prompt_ids):
+                    break
+                token = prompt_ids[position]
+                top: tuple[TopLogprob, ...] = ()
+                if k:
+                    values, ids = torch.topk(row, k)
+                    top = tuple(TopLogprob(token_id=int(i), text=self.tokenizer.decode([int(i)]),
+                                           logprob=float(v)) for i, v in zip(ids, values,
+                                                                             strict=True))
+                tokens.append(PromptToken(token_id=token, text=self.tokenizer.decode([token]),
+                                          logprob=float(row[token]) if k is not None else None,
+                                          top_logprobs=top))
+        return PromptEvent(text=self.tokenizer.decode(prompt_ids), tokens=tuple(tokens))
+
+    # --- oracle ---------------------------------------------------------------------------
+
+    async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
+        """Greedy decoding by the unsplit HF model (``generate(do_sample=False)``), loaded on
+        first use: the independent oracle of parity tests."""
+        return await self.origin.run(self._reference_greedy, prompt, max_tokens)
+
+    def _reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if self._reference is None:
+            self._reference = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=self.dtype,
+                attn_implementation=self.args.attn_implementation).eval()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        with torch.inference_mode():
+            out = self._reference.generate(
+                torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+                eos_token_id=sorted(self.eos_ids), pad_token_id=self.tokenizer.eos_token_id,
+                temperature=None, top_p=None, top_k=None)
+        generated = out.sequences[0, len(ids):].tolist()
+        logprobs = [float(torch.log_softmax(step[0].float(), -1)[t])
+                    for step, t in zip(out.logits, generated, strict=False)]
+        return ReferenceOutput(text=self.tokenizer.decode(generated, skip_special_tokens=True),
+                               token_ids=generated, logprobs=logprobs, prompt_token_ids=ids)
+
+
+def _eos_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's EOS plus the generation config's (as vLLM stops on both)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+    except OSError:  # no generation_config.json
+        pass
+    return frozenset(ids)

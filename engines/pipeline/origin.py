@@ -1,0 +1,252 @@
+"""The origin's side of a pipe: embedding, its own first layers, the chain of stage calls, the
+final norm and head, and the restart path when a stage dies or a cache stops lining up.
+
+Activations go stage → stage by chaining Ray ObjectRefs: the origin submits every stage's call
+at once and awaits only the last one, so nothing returns through the origin between stages,
+and one sequence's prefill chunks (or other sequences' steps) keep every stage busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engines.pipeline.loading import OriginParts
+from engines.pipeline.stage import CacheMismatch, Hop, StageCore, digest
+
+__all__ = ["LocalStages", "Origin", "PipelineFailure", "RayStages", "Sequence", "Stages"]
+
+log = logging.getLogger(__name__)
+
+
+class PipelineFailure(RuntimeError):
+    """A sequence lost its stages more often than ``max_restarts`` allows."""
+
+
+class Stages(Protocol):
+    """The stage actors of one pipe, as the origin drives them."""
+
+    failures: tuple[type[BaseException], ...]  # what the restart path handles
+
+    def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
+        """Run ``hop`` through every stage in order; await the result of the last."""
+        ...
+
+    def free(self, seq_id: str) -> None: ...
+
+    async def recover(self) -> None:
+        """Respawn dead stages (same range and placement) and wait until they are ready."""
+        ...
+
+    async def check(self) -> None: ...
+
+
+class LocalStages:
+    """Stages as in-process :class:`StageCore` s (tests, a box without Ray)."""
+
+    failures: tuple[type[BaseException], ...] = (CacheMismatch,)
+
+    def __init__(self, cores: list[StageCore]):
+        self.cores = cores
+
+    def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
+        future: asyncio.Future[Hop] = asyncio.get_running_loop().create_future()
+        try:
+            for core in self.cores:
+                hop = core.forward(hop, check)
+            future.set_result(hop)
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+    def free(self, seq_id: str) -> None:
+        for core in self.cores:
+            core.free(seq_id)
+
+    async def recover(self) -> None:
+        return None
+
+    async def check(self) -> None:
+        return None
+
+
+class RayStages:
+    """One Ray actor per layer range, placed by a placement group or custom resources."""
+
+    def __init__(self, model_dir: str, ranges: list[tuple[int, int]], args: Any):
+        import ray
+        from ray.exceptions import ObjectLostError, RayActorError
+
+        from engines.pipeline.stage import stage_actor_class
+
+        self.failures = (CacheMismatch, RayActorError, ObjectLostError)
+        self.model_dir, self.ranges, self.args = model_dir, ranges, args
+        self._cls = stage_actor_class()
+        self._group = None
+        if args.placement_strategy is not None:
+            from ray.util.placement_group import placement_group
+
+            bundle = {"CPU": args.stage_num_cpus}
+            if args.stage_num_gpus:
+                bundle["GPU"] = args.stage_num_gpus
+            self._group = placement_group([dict(bundle) for _ in ranges],
+                                          strategy=args.placement_strategy)
+            ray.get(self._group.ready(), timeout=300)
+        self.actors = [self._spawn(i) for i in range(len(ranges))]
+        ray.get([a.where.remote() for a in self.actors])  # weights loaded, or fail now
+        self._recovering: asyncio.Lock | None = None
+
+    def _spawn(self, i: int):
+        options: dict[str, Any] = {"num_cpus": self.args.stage_num_cpus,
+                                   "num_gpus": self.args.stage_num_gpus}
+        if self._group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._group, placement_group_bundle_index=i)
+        elif self.args.stage_resources is not None:
+            options["resources"] = self.args.stage_resources[i]
+        start, end = self.ranges[i]
+        return self._cls.options(**options).remote(
+            self.model_dir, start, end, self.args.dtype, self.args.attn_implementation,
+            self.args.stage_threads, self.args.cache_ttl_s)
+
+    def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
+        ref: Any = hop
+        for actor in self.actors:
+            ref = actor.forward.remote(ref, check)
+        return ref
+
+    def free(self, seq_id: str) -> None:
+        for actor in self.actors:
+            actor.free.remote(seq_id)  # fire and forget; a dead stage has nothing to free
+
+    async def recover(self) -> None:
+        # One recovery at a time: concurrent sequences that saw the same death respawn once.
+        self._recovering = self._recovering or asyncio.Lock()
+        async with self._recovering:
+            from ray.exceptions import RayActorError
+
+            for i, actor in enumerate(self.actors):
+                try:
+                    await asyncio.wait_for(actor.where.remote(), 60)
+                    continue
+                except (RayActorError, TimeoutError):
+                    pass
+                log.warning("stage %d %s is gone; respawning it", i, self.ranges[i])
+                import ray
+
+                ray.kill(actor, no_restart=True)
+                self.actors[i] = self._spawn(i)
+                await self.actors[i].where.remote()
+
+    async def check(self) -> None:
+        await asyncio.gather(*(asyncio.wait_for(a.where.remote(), 30) for a in self.actors))
+
+    async def where(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(a.where.remote() for a in self.actors)))
+
+
+@dataclass
+class Sequence:
+    """One sequence as the origin tracks it: every token (prompt and output) and how many of
+    them the pipe's caches hold."""
+
+    seq_id: str
+    tokens: list[int]
+    cached: int = 0
+    restarts: int = 0
+
+
+class Origin:
+    """Runs sequences through the origin's parts and the stages, and restarts them from their
+    tokens when the stages fail. Torch work runs on one thread, off the event loop."""
+
+    def __init__(self, parts: OriginParts, origin_layers: int, stages: Stages, *,
+                 prefill_chunk: int, max_restarts: int, check_digest: bool, device: str = "cpu",
+                 threads: int | None = None):
+        self.parts = parts
+        self.own = StageCore(parts.layers, 0, origin_layers) if parts.layers is not None else None
+        self.stages = stages
+        self.prefill_chunk = prefill_chunk
+        self.max_restarts = max_restarts
+        self.check = check_digest
+        self.device = device
+        self.restarts = 0  # over the origin's life (metrics, tests)
+        self._threads = threads
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pipeline-origin",
+                                        initializer=self._init_thread)
+
+    def _init_thread(self) -> None:
+        if self._threads:
+            import torch
+
+            torch.set_num_threads(self._threads)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def hidden(self, seq: Sequence, every: bool = False) -> list[Any]:
+        """Final hidden states of ``seq``'s tokens the caches don't hold yet: the last position
+        only, or (``every``) every chunk's. Restarts from position 0 on a stage failure."""
+        while True:
+            try:
+                out = await self._feed(seq, every)
+                seq.cached = len(seq.tokens)
+                return out
+            except self.stages.failures as exc:
+                seq.restarts += 1
+                self.restarts += 1
+                self.release(seq.seq_id)
+                if seq.restarts > self.max_restarts:
+                    raise PipelineFailure(f"the pipeline failed {seq.restarts} times on this "
+                                          f"request (last: {type(exc).__name__})") from exc
+                log.warning("restarting %s from its %d tokens after %r", seq.seq_id,
+                            len(seq.tokens), exc)
+                await self.stages.recover()
+                seq.cached = 0
+                every = False  # what was asked of the first pass was delivered then or never
+
+    async def _feed(self, seq: Sequence, every: bool) -> list[Any]:
+        start, tokens = seq.cached, seq.tokens
+        pending = []
+        while start < len(tokens):
+            end = min(start + self.prefill_chunk, len(tokens))
+            hop = await self.run(self._embed, seq.seq_id, tokens[start:end], start)
+            pending.append(self.stages.submit(hop, self.check))  # chunks pipelined
+            start = end
+        hops = await asyncio.gather(*pending) if every else [await pending[-1]]
+        for hop in hops:
+            if self.check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id,
+                                                   hop.step):
+                raise CacheMismatch(f"digest mismatch on the way back for {hop.seq_id}")
+        return [hop.hidden for hop in hops] if every else [hops[-1].hidden[:, -1:]]
+
+    def _embed(self, seq_id: str, ids: list[int], start: int) -> Hop:
+        import torch
+
+        with torch.inference_mode():
+            positions = torch.arange(start, start + len(ids))
+            hidden = self.parts.embed(torch.tensor([ids]))
+            hop = Hop(hidden=hidden, positions=positions, seq_id=seq_id, step=start)
+            if self.own is not None:
+                hop = self.own.forward(hop)
+            if self.check:
+                hop.digest = digest(hop.hidden, hop.positions, seq_id, start)
+            return hop
+
+    def logits(self, hidden) -> Any:
+        """``[T, vocab]`` float32 logits of final hidden states ``[1, T, H]``."""
+        import torch
+
+        with torch.inference_mode():
+            return self.parts.logits(hidden)[0]
+
+    def release(self, seq_id: str) -> None:
+        if self.own is not None:
+            self.own.free(seq_id)
+        self.stages.free(seq_id)

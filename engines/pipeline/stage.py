@@ -1,0 +1,183 @@
+"""One pipeline stage: a contiguous layer range and one KV cache per live sequence.
+
+:class:`StageCore` is plain Python + torch (tests, a bare GPU box, the origin's own layers);
+:func:`stage_actor_class` wraps it as a Ray actor. A stage sees hidden states and positions
+only: no token ids, no text. Every call is idempotent by position (the guard in
+:meth:`StageCore.forward`), so a duplicated step is recomputed, and a lost one is detected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CacheMismatch", "Hop", "StageCore", "digest", "stage_actor_class"]
+
+
+class CacheMismatch(RuntimeError):
+    """A stage's cache does not line up with the positions it was sent: the origin restarts
+    the sequence (frees every stage's cache and re-prefills from its tokens)."""
+
+
+@dataclass
+class Hop:
+    """What crosses from one stage to the next: ``hidden`` ``[1, T, H]`` and the absolute
+    ``positions`` ``[T]`` of this chunk, for sequence ``seq_id``; ``digest`` (optional) covers
+    them and ``step`` so a corrupted or misrouted hop is caught on receipt."""
+
+    hidden: Any
+    positions: Any
+    seq_id: str
+    step: int
+    digest: bytes | None = None
+
+
+def digest(hidden, positions, seq_id: str, step: int) -> bytes:
+    """blake2b of the activation bytes, positions, sequence id and step (transport integrity
+    only: a dishonest stage can still return a steered tensor with a valid digest)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(hidden.contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
+    h.update(positions.contiguous().numpy().tobytes())
+    h.update(seq_id.encode())
+    h.update(step.to_bytes(8, "little"))
+    return h.digest()
+
+
+def _u8():
+    import torch
+
+    return torch.uint8
+
+
+class StageCore:
+    """Layers ``[start, end)`` of a model (a sliced base model, see ``loading``) and their
+    per-sequence caches."""
+
+    def __init__(self, model, start: int, end: int, ttl_s: float = 600.0):
+        self.model = model
+        self.start, self.end = start, end
+        self.ttl_s = ttl_s
+        self.caches: dict[str, Any] = {}
+        self.used: dict[str, float] = {}
+        self._last_sweep = time.monotonic()
+        self._lock = threading.Lock()  # the origin's layers run from a thread pool
+
+    def forward(self, hop: Hop, check: bool = False) -> Hop:
+        """Run the layers over ``hop``; the returned hop carries a fresh digest when ``check``.
+
+        The position guard (spec §4): ``first == 0`` or no cache → a new cache; ``first`` equal
+        to the cached length → a normal step; below it → a duplicate, cropped and recomputed;
+        above it → a lost step, :class:`CacheMismatch`.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        if check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id, hop.step):
+            raise CacheMismatch(f"digest mismatch on {hop.seq_id} step {hop.step}")
+        first = int(hop.positions[0])
+        with self._lock:
+            self._maybe_sweep()
+            cache = self.caches.get(hop.seq_id)
+            if cache is None or first == 0:
+                if first != 0:
+                    raise CacheMismatch(f"{hop.seq_id}: no cache here for position {first}")
+                cache = DynamicCache(config=self.model.config)
+            else:
+                cached = cache.get_seq_length()
+                if first > cached:
+                    raise CacheMismatch(f"{hop.seq_id}: step at {first} but {cached} cached")
+                if first < cached:
+                    try:  # a negative count: what crop means on every transformers 5.x
+                        cache.crop(first - cached)
+                    except Exception as exc:
+                        raise CacheMismatch(f"{hop.seq_id}: cannot crop back to {first}") from exc
+                    if cache.get_seq_length() != first:
+                        raise CacheMismatch(f"{hop.seq_id}: crop to {first} left "
+                                            f"{cache.get_seq_length()}")
+            self.caches[hop.seq_id] = cache
+            self.used[hop.seq_id] = time.monotonic()
+            try:
+                with torch.inference_mode():
+                    out = self.model(inputs_embeds=hop.hidden, position_ids=hop.positions[None],
+                                     past_key_values=cache, use_cache=True).last_hidden_state
+            except BaseException:
+                self._drop(hop.seq_id)  # half-written cache: the origin restarts from 0
+                raise
+        result = Hop(hidden=out, positions=hop.positions, seq_id=hop.seq_id, step=hop.step)
+        if check:
+            result.digest = digest(out, hop.positions, hop.seq_id, hop.step)
+        return result
+
+    def free(self, seq_id: str) -> None:
+        with self._lock:
+            self._drop(seq_id)
+
+    def cached(self) -> dict[str, int]:
+        """Live sequences and their cached lengths (tests, health)."""
+        with self._lock:
+            return {k: c.get_seq_length() for k, c in self.caches.items()}
+
+    def sweep(self, ttl_s: float | None = None) -> int:
+        """Drop caches idle longer than the TTL (orphans of a lost origin); how many went."""
+        with self._lock:
+            return self._sweep(self.ttl_s if ttl_s is None else ttl_s)
+
+    def _maybe_sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep > self.ttl_s / 4:
+            self._last_sweep = now
+            self._sweep(self.ttl_s)
+
+    def _sweep(self, ttl_s: float) -> int:
+        cutoff = time.monotonic() - ttl_s
+        stale = [k for k, t in self.used.items() if t < cutoff]
+        for k in stale:
+            self._drop(k)
+        return len(stale)
+
+    def _drop(self, seq_id: str) -> None:
+        self.caches.pop(seq_id, None)
+        self.used.pop(seq_id, None)
+
+
+def stage_actor_class():
+    """The Ray actor class hosting one :class:`StageCore` (imported lazily: no Ray at import)."""
+    import ray
+
+    @ray.remote(max_restarts=0, max_task_retries=0)
+    class StageActor:
+        """Loads its layers in the constructor, so a respawn with the same arguments is the
+        same stage."""
+
+        def __init__(self, model_dir: str, start: int, end: int, dtype: str,
+                     attn_implementation: str, threads: int | None, ttl_s: float):
+            import torch
+
+            from engines.pipeline.loading import load_layers
+
+            if threads:
+                torch.set_num_threads(threads)
+            model = load_layers(model_dir, start, end, getattr(torch, dtype), attn_implementation)
+            self.core = StageCore(model, start, end, ttl_s)
+
+        def forward(self, hop: Hop, check: bool = False) -> Hop:
+            return self.core.forward(hop, check)
+
+        def free(self, seq_id: str) -> None:
+            self.core.free(seq_id)
+
+        def cached(self) -> dict[str, int]:
+            return self.core.cached()
+
+        def sweep(self, ttl_s: float | None = None) -> int:
+            return self.core.sweep(ttl_s)
+
+        def where(self) -> dict[str, Any]:
+            """Node and layer range (placement tests, health)."""
+            return {"node_id": ray.get_runtime_context().get_node_id(),
+                    "range": [self.core.start, self.core.end]}
+
+    return StageActor

@@ -1,0 +1,61 @@
+"""Incremental detokenization and stop strings for one output sequence.
+
+Text is decoded in a short sliding window that starts in the prompt's tail (tokenizers that drop
+a leading space on a sequence's first token still see context; vLLM and TGI do the same), and a
+step's text is held back while it could be the start of a stop string, as vLLM does, so a
+client never receives text that a stop string later cuts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["OutputText"]
+
+
+class OutputText:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool,
+                 stops: tuple[str, ...], include_stop: bool):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.stops = tuple(s for s in stops if s)
+        self.include_stop = include_stop
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.ids = list(prompt_ids[-5:])
+        self.prefix, self.read = 0, len(self.ids)
+        self.text = ""  # the output text so far (cut at a stop string once one matched)
+        self.emitted = 0  # characters of ``text`` already handed out as deltas
+
+    def add(self, token_id: int) -> tuple[str, str, str | None]:
+        """Append a token: (its piece of text, the delta to send now, the stop string it
+        completed or None)."""
+        piece = self._piece(token_id)
+        scan_from = max(0, len(self.text) - self.hold)
+        self.text += piece
+        for stop in self.stops:
+            at = self.text.find(stop, scan_from)
+            if at >= 0:
+                self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
+                return piece, self._delta(len(self.text)), stop
+        return piece, self._delta(len(self.text) - self.hold if self.stops else len(self.text)), None
+
+    def flush(self) -> str:
+        """What was held back, at the end of the sequence."""
+        return self._delta(len(self.text))
+
+    def _delta(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        delta = self.text[self.emitted: upto]
+        self.emitted = upto
+        return delta
+
+    def _piece(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix: self.read],
+                                       skip_special_tokens=self.skip)
+        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
