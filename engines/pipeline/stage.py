@@ -73,43 +73,49 @@ class StageCore:
         above it → a lost step, :class:`CacheMismatch`.
         """
         import torch
-        from transformers import DynamicCache
 
         if check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id, hop.step):
             raise CacheMismatch(f"digest mismatch on {hop.seq_id} step {hop.step}")
         first = int(hop.positions[0])
         with self._lock:
             self._maybe_sweep()
-            cache = self.caches.get(hop.seq_id)
-            if cache is None or first == 0:
-                if first != 0:
-                    raise CacheMismatch(f"{hop.seq_id}: no cache here for position {first}")
-                cache = DynamicCache(config=self.model.config)
-            else:
-                cached = cache.get_seq_length()
-                if first > cached:
-                    raise CacheMismatch(f"{hop.seq_id}: step at {first} but {cached} cached")
-                if first < cached:
-                    try:  # a negative count: what crop means on every transformers 5.x
-                        cache.crop(first - cached)
-                    except Exception as exc:
-                        raise CacheMismatch(f"{hop.seq_id}: cannot crop back to {first}") from exc
-                    if cache.get_seq_length() != first:
-                        raise CacheMismatch(f"{hop.seq_id}: crop to {first} left "
-                                            f"{cache.get_seq_length()}")
-            self.caches[hop.seq_id] = cache
-            self.used[hop.seq_id] = time.monotonic()
             try:
+                cache = self._guard(hop.seq_id, first)
                 with torch.inference_mode():
                     out = self.model(inputs_embeds=hop.hidden, position_ids=hop.positions[None],
                                      past_key_values=cache, use_cache=True).last_hidden_state
             except BaseException:
-                self._drop(hop.seq_id)  # half-written cache: the origin restarts from 0
+                # A mismatch or a half-written cache is of no use: the origin restarts from 0.
+                self._drop(hop.seq_id)
                 raise
         result = Hop(hidden=out, positions=hop.positions, seq_id=hop.seq_id, step=hop.step)
         if check:
             result.digest = digest(out, hop.positions, hop.seq_id, hop.step)
         return result
+
+    def _guard(self, seq_id: str, first: int):
+        from transformers import DynamicCache
+
+        cache = self.caches.get(seq_id)
+        if cache is None or first == 0:
+            if first != 0:
+                raise CacheMismatch(f"{seq_id}: no cache here for position {first}")
+            cache = DynamicCache(config=self.model.config)
+        else:
+            cached = cache.get_seq_length()
+            if first > cached:
+                raise CacheMismatch(f"{seq_id}: step at {first} but {cached} cached")
+            if first < cached:
+                try:  # a negative count: what crop means on every transformers 5.x
+                    cache.crop(first - cached)
+                except Exception as exc:
+                    raise CacheMismatch(f"{seq_id}: cannot crop back to {first}") from exc
+                if cache.get_seq_length() != first:
+                    raise CacheMismatch(f"{seq_id}: crop to {first} left "
+                                        f"{cache.get_seq_length()}")
+        self.caches[seq_id] = cache
+        self.used[seq_id] = time.monotonic()
+        return cache
 
     def free(self, seq_id: str) -> None:
         with self._lock:
