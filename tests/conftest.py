@@ -2,9 +2,15 @@
 
 import pytest
 
-from tests.serve_session import engine_handle, gateway_url, logprob_tolerance
+from tests.serve_session import (
+    engine_handle,
+    gateway_url,
+    logprob_tolerance,
+    pipeline_handle,
+    pipeline_url,
+)
 
-__all__ = ["engine_handle", "gateway_url", "logprob_tolerance"]
+__all__ = ["engine_handle", "gateway_url", "logprob_tolerance", "pipeline_handle", "pipeline_url"]
 
 
 def pytest_collection_modifyitems(items):

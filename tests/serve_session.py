@@ -63,6 +63,38 @@ def gateway_url():
         ray.shutdown()
 
 
+# The same embedded model as a 2-stage pipeline (engines.pipeline), in a second application of
+# the same Serve instance, so every existing test keeps its single-model gateway.
+PIPELINE_MODEL = f"{EMBEDDED_MODEL_NAME}-pipeline"
+PIPELINE_APP = "pipeline"
+PIPELINE_ARGS = {"num_stages": 2, "stage_num_cpus": 0.2}
+
+
+@pytest.fixture(scope="session")
+def pipeline_url(gateway_url):
+    from ray import serve
+
+    from gateway.app import build_app
+
+    config = GatewayConfig(models=[ModelConfig(name=PIPELINE_MODEL, engine="pipeline",
+                                               num_cpus=0.2, engine_args=PIPELINE_ARGS)],
+                           ingress_num_cpus=0.1, max_request_bytes=MAX_REQUEST_BYTES)
+    serve.run(build_app(config), name=PIPELINE_APP, route_prefix=f"/{PIPELINE_APP}")
+    url = f"{gateway_url}/{PIPELINE_APP}"
+    deadline = time.monotonic() + 600
+    while httpx.get(f"{url}/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the pipeline gateway did not become healthy"
+        time.sleep(1)
+    return url
+
+
+@pytest.fixture(scope="session")
+def pipeline_handle(pipeline_url):
+    from ray import serve
+
+    return serve.get_deployment_handle(f"engine-{PIPELINE_MODEL}", app_name=PIPELINE_APP)
+
+
 @pytest.fixture(scope="session")
 def engine_handle(gateway_url):
     from ray import serve

@@ -67,7 +67,8 @@ class PipelineEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         parts = load_origin(self.model_path, self.args.origin_layers, self.dtype,
                             self.args.attn_implementation, hf_config)
-        self.stages = stages or RayStages(self.model_path, self.ranges, self.args)
+        self.stages = stages or RayStages(self.model_path, self.ranges, self.args,
+                                          label=f"{config.name}")
         self.origin = Origin(parts, self.args.origin_layers, self.stages,
                              prefill_chunk=self.args.prefill_chunk,
                              max_restarts=self.args.max_restarts, check_digest=self.args.digest,

@@ -77,7 +77,8 @@ class LocalStages:
 class RayStages:
     """One Ray actor per layer range, placed by a placement group or custom resources."""
 
-    def __init__(self, model_dir: str, ranges: list[tuple[int, int]], args: Any):
+    def __init__(self, model_dir: str, ranges: list[tuple[int, int]], args: Any,
+                 label: str = "pipeline"):
         import ray
         from ray.exceptions import ObjectLostError, RayActorError
 
@@ -85,6 +86,8 @@ class RayStages:
 
         self.failures = (CacheMismatch, RayActorError, ObjectLostError)
         self.model_dir, self.ranges, self.args = model_dir, ranges, args
+        self.label = label
+        self._spawned = 0
         self._cls = stage_actor_class()
         self._group = None
         if args.placement_strategy is not None:
@@ -111,6 +114,9 @@ class RayStages:
         elif self.args.stage_resources is not None:
             options["resources"] = self.args.stage_resources[i]
         start, end = self.ranges[i]
+        # Named (unique per spawn) so operators and tests can find a stage in `ray list actors`.
+        self._spawned += 1
+        options["name"] = f"{self.label}:stage{i}:{start}-{end}:{id(self):x}.{self._spawned}"
         return self._cls.options(**options).remote(
             self.model_dir, start, end, self.args.dtype, self.args.attn_implementation,
             self.args.stage_threads, self.args.cache_ttl_s)

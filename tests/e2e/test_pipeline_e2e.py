@@ -1,0 +1,145 @@
+"""The pipeline engine kind end to end: the embedded model split into 2 Ray stage actors behind
+Ray Serve, reached by each protocol's real client. Oracle: the unsplit HF model's greedy
+``generate`` (``reference_greedy`` on the pipeline replica), never the pipeline itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import websockets
+
+from tests.serve_session import PIPELINE_MODEL
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "The capital of France is"
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(pipeline_handle):
+    return pipeline_handle.reference_greedy.remote(PROMPT, TOKENS).result()
+
+
+@pytest.fixture
+def http(pipeline_url):
+    with httpx.Client(base_url=pipeline_url, timeout=120) as client:
+        yield client
+
+
+def test_listing_names_the_engine_kind(http):
+    models = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [PIPELINE_MODEL]
+    info = http.get("/info").json()  # TGI's /info
+    assert info["model_id"] == PIPELINE_MODEL
+
+
+def test_openai_sdk_greedy_equals_the_unsplit_model(pipeline_url, reference):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{pipeline_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    whole = client.completions.create(model=PIPELINE_MODEL, prompt=PROMPT, max_tokens=TOKENS,
+                                      temperature=0, logprobs=1)
+    assert whole.choices[0].text == reference.text
+    assert whole.usage.completion_tokens == TOKENS
+    for got, want in zip(whole.choices[0].logprobs.token_logprobs, reference.logprobs,
+                         strict=True):
+        assert got == pytest.approx(want, abs=1e-3)
+    stream = client.completions.create(model=PIPELINE_MODEL, prompt=PROMPT, max_tokens=TOKENS,
+                                       temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == reference.text
+    chat = client.chat.completions.create(model=PIPELINE_MODEL, max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("length", "stop")
+
+
+async def test_lmtp_generate_and_score(pipeline_url, reference):
+    url = pipeline_url.replace("http://", "ws://") + "/"
+    async with websockets.connect(url) as ws:
+        await ws.send("GENERATE " + json.dumps({"model": PIPELINE_MODEL, "stream_id": 1,
+                                                "prompt": reference.prompt_token_ids,
+                                                "max_tokens": TOKENS}))
+        items = await _lmtp_items(ws, 1)
+        assert [i["token"] for i in items] == reference.token_ids
+        await ws.send("SCORE " + json.dumps({"model": PIPELINE_MODEL, "stream_id": 2,
+                                             "prompt": reference.prompt_token_ids,
+                                             "scored": reference.token_ids[:5]}))
+        scored = await _lmtp_items(ws, 2)
+    for got, want in zip([i["logprob"] for i in scored], reference.logprobs[:5], strict=True):
+        assert got == pytest.approx(want, abs=1e-3)  # fp32 stages: prefill == decode
+
+
+async def _lmtp_items(ws, sid: int) -> list[dict]:
+    items: list[dict] = []
+    async with asyncio.timeout(120):
+        while True:
+            _, _, body = (await ws.recv()).partition(" ")
+            for item in json.loads(body):
+                assert item["stream_id"] == sid and item.get("error") is None, item
+                items.append(item)
+                if item.get("finish_reason"):
+                    return items
+
+
+def test_tgi_client_and_lmi(pipeline_url, http, reference):
+    import text_generation
+
+    tgi = text_generation.Client(pipeline_url, timeout=120)
+    answer = tgi.generate(PROMPT, max_new_tokens=TOKENS, decoder_input_details=False)
+    assert answer.generated_text == reference.text
+    assert [t.id for t in answer.details.tokens] == reference.token_ids
+    lmi = http.post("/invocations", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": TOKENS, "do_sample": False, "details": True}})
+    assert lmi.status_code == 200, lmi.text
+    assert lmi.json()["generated_text"] == reference.text
+
+
+def test_mindie_stream_concatenates_to_the_reference(http, reference):
+    with http.stream("POST", f"/v2/models/{PIPELINE_MODEL}/generate_stream", json={
+            "text_input": PROMPT, "parameters": {"max_new_tokens": TOKENS}}) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[5:]) for line in response.iter_lines()
+                  if line.startswith("data:")]
+    assert "".join(e["text_output"] for e in events) == reference.text
+
+
+def test_too_long_prompt_is_the_protocols_400(http):
+    response = http.post("/v1/completions", json={"model": PIPELINE_MODEL,
+                                                  "prompt": [1] * 5000, "max_tokens": 1})
+    assert response.status_code == 400
+    assert "maximum context length" in response.json()["error"]["message"]
+
+
+def test_a_killed_middle_stage_is_respawned_and_the_stream_goes_on(pipeline_url, pipeline_handle):
+    """Kill the second stage after the 3rd streamed token: the replica respawns it, re-prefills
+    from its tokens, and the client gets the unsplit model's tokens, none twice or lost."""
+    import ray
+    from openai import OpenAI
+
+    want = pipeline_handle.reference_greedy.remote(PROMPT, 30).result()
+    client = OpenAI(base_url=f"{pipeline_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = client.completions.create(model=PIPELINE_MODEL, prompt=PROMPT, max_tokens=30,
+                                       temperature=0, stream=True)
+    tokens: list[str] = []
+    killed = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            tokens.append(chunk.choices[0].text)
+        if len(tokens) >= 3 and killed is None:
+            killed = _stage_names()[-1]
+            ray.kill(ray.get_actor(*killed))
+    assert killed is not None
+    assert "".join(tokens) == want.text
+    assert killed not in _stage_names() and len(_stage_names()) == 2
+
+
+def _stage_names() -> list[tuple[str, str]]:
+    """(name, namespace) of the pipeline's live stage actors, in stage order."""
+    import ray
+
+    return sorted((a["name"], a["namespace"])
+                  for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(f"{PIPELINE_MODEL}:stage"))
