@@ -18,7 +18,8 @@ from typing import Any, Protocol
 from engines.pipeline.loading import OriginParts
 from engines.pipeline.stage import CacheMismatch, Hop, StageCore, digest
 
-__all__ = ["LocalStages", "Origin", "PipelineFailure", "RayStages", "Sequence", "Stages"]
+__all__ = ["LocalStages", "Origin", "PipelineFailure", "RayStages", "Resolved", "Sequence",
+           "Stages"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Stages(Protocol):
     """The stage actors of one pipe, as the origin drives them."""
 
     failures: tuple[type[BaseException], ...]  # what the restart path handles
+    cancelled: tuple[type[BaseException], ...]  # how the transport reports our own cancellation
 
     def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
         """Run ``hop`` through every stage in order; await the result of the last."""
@@ -45,23 +47,36 @@ class Stages(Protocol):
     async def check(self) -> None: ...
 
 
+class Resolved:
+    """An awaitable that is already done (a hop, or the error computing it raised); unlike an
+    asyncio future it can be made on any thread."""
+
+    def __init__(self, hop: Hop | None = None, error: BaseException | None = None):
+        self.hop, self.error = hop, error
+
+    def __await__(self):
+        if self.error is not None:
+            raise self.error
+        return self.hop
+        yield  # a generator: `await` drives it
+
+
 class LocalStages:
     """Stages as in-process :class:`StageCore` s (tests, a box without Ray)."""
 
     failures: tuple[type[BaseException], ...] = (CacheMismatch,)
+    cancelled: tuple[type[BaseException], ...] = ()
 
     def __init__(self, cores: list[StageCore]):
         self.cores = cores
 
     def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
-        future: asyncio.Future[Hop] = asyncio.get_running_loop().create_future()
         try:
             for core in self.cores:
                 hop = core.forward(hop, check)
-            future.set_result(hop)
         except Exception as exc:
-            future.set_exception(exc)
-        return future
+            return Resolved(error=exc)
+        return Resolved(hop)
 
     def free(self, seq_id: str) -> None:
         for core in self.cores:
@@ -80,11 +95,12 @@ class RayStages:
     def __init__(self, model_dir: str, ranges: list[tuple[int, int]], args: Any,
                  label: str = "pipeline"):
         import ray
-        from ray.exceptions import ObjectLostError, RayActorError
+        from ray.exceptions import ObjectLostError, RayActorError, TaskCancelledError
 
         from engines.pipeline.stage import stage_actor_class
 
         self.failures = (CacheMismatch, RayActorError, ObjectLostError)
+        self.cancelled = (TaskCancelledError,)
         self.model_dir, self.ranges, self.args = model_dir, ranges, args
         self.label = label
         self._spawned = 0
@@ -222,15 +238,24 @@ class Origin:
         pending = []
         while start < len(tokens):
             end = min(start + self.prefill_chunk, len(tokens))
-            hop = await self.run(self._embed, seq.seq_id, tokens[start:end], start)
-            pending.append(self.stages.submit(hop, self.check))  # chunks pipelined
+            # Submitted from the origin's thread, not the request's task: Ray Serve cancels a
+            # cancelled request's child tasks, and a cancelled, never-run call would leave a
+            # stage actor's in-order queue waiting for it. A disconnect stops the loop instead.
+            pending.append(await self.run(self._embed_and_submit, seq.seq_id,
+                                          tokens[start:end], start))  # chunks pipelined
             start = end
-        hops = await asyncio.gather(*pending) if every else [await pending[-1]]
+        try:
+            hops = await asyncio.gather(*pending) if every else [await pending[-1]]
+        except self.stages.cancelled as exc:  # belt and braces: still our own cancellation
+            raise asyncio.CancelledError() from exc
         for hop in hops:
             if self.check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id,
                                                    hop.step):
                 raise CacheMismatch(f"digest mismatch on the way back for {hop.seq_id}")
         return [hop.hidden for hop in hops] if every else [hops[-1].hidden[:, -1:]]
+
+    def _embed_and_submit(self, seq_id: str, ids: list[int], start: int) -> Awaitable[Hop]:
+        return self.stages.submit(self._embed(seq_id, ids, start), self.check)
 
     def _embed(self, seq_id: str, ids: list[int], start: int) -> Hop:
         import torch

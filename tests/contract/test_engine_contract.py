@@ -1,8 +1,8 @@
 """The engine contract (``protocols.internal``), checked the same way for every engine kind.
 
 Each test runs against the fake kind (in process, behind the real ``EngineHost``) and against
-real vLLM through its Ray Serve deployment and the ingress's ``ServeEngineClient`` (msgpack
-batches and all). A new engine kind joins by adding a parameter to ``engine``.
+real vLLM and the pipeline kind through their Ray Serve deployments and the ingress's
+``ServeEngineClient`` (msgpack batches and all). A new engine kind joins by adding a parameter to ``engine``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Kind:
     deadline_s: float  # shorter than the long request below takes on this kind
 
 
-@pytest.fixture(params=["fake", pytest.param("vllm", marks=pytest.mark.e2e)])
+@pytest.fixture(params=["fake", pytest.param("vllm", marks=pytest.mark.e2e),
+                        pytest.param("pipeline", marks=pytest.mark.e2e)])
 async def engine(request) -> Kind:
     """One client per engine kind: a new kind adds a parameter and a branch here."""
     if request.param == "fake":
@@ -50,6 +51,11 @@ async def engine(request) -> Kind:
         from gateway.engine_client import ServeEngineClient
 
         client = ServeEngineClient(request.getfixturevalue("engine_handle"))
+        deadline = 1.0
+    elif request.param == "pipeline":  # the embedded model split over 2 Ray stage actors
+        from gateway.engine_client import ServeEngineClient
+
+        client = ServeEngineClient(request.getfixturevalue("pipeline_handle"))
         deadline = 1.0
     else:
         raise AssertionError(f"no client for engine kind {request.param}")

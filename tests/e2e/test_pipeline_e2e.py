@@ -143,3 +143,23 @@ def _stage_names() -> list[tuple[str, str]]:
     return sorted((a["name"], a["namespace"])
                   for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith(f"{PIPELINE_MODEL}:stage"))
+
+
+def test_stages_on_two_nodes_give_the_same_answer():
+    """A head and a worker node (distinct custom resources): stages placed by those resources,
+    and by a STRICT_SPREAD placement group, land on different nodes; the tokens are the unsplit
+    model's. Its own Ray cluster, in a subprocess (the session's Ray stays untouched)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tests.e2e.pipeline_two_nodes"],
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["nodes"] == 2
+    ids = result["node_ids"]
+    assert result["resources"]["nodes"] == [ids["node_a"], ids["node_b"]]
+    assert len(set(result["strict_spread"]["nodes"])) == 2
+    assert result["resources"]["tokens"] == result["reference"]
+    assert result["strict_spread"]["tokens"] == result["reference"]

@@ -15,7 +15,7 @@ from engines.host import EngineHost
 from engines.pipeline.config import PipelineArgs, plan_stages
 from engines.pipeline.engine import PipelineEngine
 from engines.pipeline.loading import load_layers
-from engines.pipeline.origin import LocalStages
+from engines.pipeline.origin import LocalStages, Resolved
 from engines.pipeline.sampling import Sampler
 from engines.pipeline.stage import CacheMismatch, StageCore
 from engines.pipeline.text import OutputText
@@ -152,9 +152,7 @@ async def test_a_disconnect_frees_every_cache(engine):
 async def test_restarts_are_capped_then_the_request_fails_cleanly(engine):
     class Broken(LocalStages):
         def submit(self, hop, check):
-            future = asyncio.get_running_loop().create_future()
-            future.set_exception(CacheMismatch("stage lost"))
-            return future
+            return Resolved(error=CacheMismatch("stage lost"))
 
     working, engine.origin.stages = engine.origin.stages, Broken(engine.origin.stages.cores)
     try:
