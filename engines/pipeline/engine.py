@@ -170,17 +170,19 @@ class PipelineEngine:
                         hidden = [hidden[-1][:, -1:]]
                     if prompt_out is not None:
                         prompt_out.set()
-                    first_token_at = None
+                    first_token_at: float | None = None
                     generated = 0
                     while True:
-                        token, logprobs = await self.origin.run(self._sample, sampler,
-                                                                hidden[-1], out.logprobs)
-                        seq.tokens.append(token)
+                        # Sampling, the stop checks and the next step's submission in one go
+                        # on the origin thread: the stages start on the next token while this
+                        # one is streamed.
                         generated += 1
+                        token, logprobs, reason, stop_reason, delta, piece, pending = (
+                            await self.origin.run(self._step, seq, sampler, text, hidden[-1],
+                                                  out.logprobs, s, generated,
+                                                  admitted.max_tokens))
                         now = time.monotonic()
                         first_token_at = first_token_at or now
-                        reason, stop_reason, delta, piece = self._advance(
-                            token, text, s, generated, admitted.max_tokens, len(seq.tokens))
                         yield TokenEvent(
                             index=index, token_id=token, text=delta,
                             logprob=logprobs.token_logprob if logprobs else None,
@@ -200,7 +202,7 @@ class PipelineEngine:
                                 text=text.flush() if stop_reason is None or
                                 isinstance(stop_reason, int) else "")
                             return
-                        hidden = await self.origin.hidden(seq)
+                        hidden = await self.origin.hidden(seq, pending=pending)
                 except PipelineFailure as exc:
                     log.error("%s: %s", seq.seq_id, exc)
                     yield ErrorEvent(kind="engine", message=str(exc))
@@ -227,8 +229,16 @@ class PipelineEngine:
             return "length", None, delta, piece
         return None, None, delta, piece
 
-    def _sample(self, sampler: Sampler, hidden, logprobs: int | None):
-        return sampler.sample(self.origin.logits(hidden)[-1], logprobs)
+    def _step(self, seq: Sequence, sampler: Sampler, text: OutputText, hidden, logprobs,
+              s, generated: int, max_tokens: int):
+        """On the origin thread: sample the next token, see whether it ends the choice, and if
+        not, start it through the stages."""
+        token, step_logprobs = sampler.sample(self.origin.logits(hidden)[-1], logprobs)
+        seq.tokens.append(token)
+        reason, stop_reason, delta, piece = self._advance(token, text, s, generated, max_tokens,
+                                                          len(seq.tokens))
+        pending = self.origin.submit(seq) if reason is None else None
+        return token, step_logprobs, reason, stop_reason, delta, piece, pending
 
     def _top(self, logprobs) -> tuple[TopLogprob, ...]:
         if not logprobs:

@@ -212,14 +212,33 @@ class Origin:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def hidden(self, seq: Sequence, every: bool = False) -> list[Any]:
-        """Final hidden states of ``seq``'s tokens the caches don't hold yet: the last position
-        only, or (``every``) every chunk's. Restarts from position 0 on a stage failure."""
+    def submit(self, seq: Sequence) -> list[Awaitable[Hop]]:
+        """Start ``seq``'s tokens that the caches don't hold yet through the pipe, in prefill
+        chunks (pipelined: nothing waits between them). Runs on the origin's thread, not the
+        request's task: Ray Serve cancels a cancelled request's child tasks, and a cancelled,
+        never-run stage call would leave that actor's in-order queue waiting for it."""
+        start, tokens, pending = seq.cached, seq.tokens, []
+        while start < len(tokens):
+            end = min(start + self.prefill_chunk, len(tokens))
+            pending.append(self.stages.submit(self._embed(seq.seq_id, tokens[start:end], start),
+                                              self.check))
+            start = end
+        return pending
+
+    async def hidden(self, seq: Sequence, every: bool = False,
+                     pending: list[Awaitable[Hop]] | None = None) -> list[Any]:
+        """Final hidden states of ``seq``'s tokens the caches don't hold yet (``pending``: the
+        calls :meth:`submit` already started for them): the last position only, or
+        (``every``) every chunk's. On a stage failure, restarts from position 0."""
         while True:
             try:
-                out = await self._feed(seq, every)
+                if pending is None:
+                    pending = await self.run(self.submit, seq)
+                out = await self._collect(pending, every)
                 seq.cached = len(seq.tokens)
                 return out
+            except self.stages.cancelled as exc:  # still our own cancellation
+                raise asyncio.CancelledError() from exc
             except self.stages.failures as exc:
                 seq.restarts += 1
                 self.restarts += 1
@@ -230,32 +249,16 @@ class Origin:
                 log.warning("restarting %s from its %d tokens after %r", seq.seq_id,
                             len(seq.tokens), exc)
                 await self.stages.recover()
-                seq.cached = 0
+                seq.cached, pending = 0, None
                 every = False  # what was asked of the first pass was delivered then or never
 
-    async def _feed(self, seq: Sequence, every: bool) -> list[Any]:
-        start, tokens = seq.cached, seq.tokens
-        pending = []
-        while start < len(tokens):
-            end = min(start + self.prefill_chunk, len(tokens))
-            # Submitted from the origin's thread, not the request's task: Ray Serve cancels a
-            # cancelled request's child tasks, and a cancelled, never-run call would leave a
-            # stage actor's in-order queue waiting for it. A disconnect stops the loop instead.
-            pending.append(await self.run(self._embed_and_submit, seq.seq_id,
-                                          tokens[start:end], start))  # chunks pipelined
-            start = end
-        try:
-            hops = await asyncio.gather(*pending) if every else [await pending[-1]]
-        except self.stages.cancelled as exc:  # belt and braces: still our own cancellation
-            raise asyncio.CancelledError() from exc
+    async def _collect(self, pending: list[Awaitable[Hop]], every: bool) -> list[Any]:
+        hops = await asyncio.gather(*pending) if every else [await pending[-1]]
         for hop in hops:
             if self.check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id,
                                                    hop.step):
                 raise CacheMismatch(f"digest mismatch on the way back for {hop.seq_id}")
         return [hop.hidden for hop in hops] if every else [hops[-1].hidden[:, -1:]]
-
-    def _embed_and_submit(self, seq_id: str, ids: list[int], start: int) -> Awaitable[Hop]:
-        return self.stages.submit(self._embed(seq_id, ids, start), self.check)
 
     def _embed(self, seq_id: str, ids: list[int], start: int) -> Hop:
         import torch

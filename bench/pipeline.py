@@ -1,0 +1,219 @@
+"""Pipeline stages vs one process vs vLLM: the embedded model, same machine, one run.
+
+Measures greedy decoding (``ignore_eos``) of the same prompt as tokens/s and per-token latency:
+
+- ``hf``: the unsplit HF model in this process, no Ray (a cached greedy loop, one sequence);
+  ``hf-batch4``: ``generate`` over a batch of 4 (what batching, which stages don't do, buys);
+- ``pipeline-N``: the ``pipeline`` engine kind with N stage actors (plus the origin's first
+  layer) on a local Ray, through ``EngineHost`` (no HTTP), 1 sequence and 4 concurrent ones;
+- ``vllm``: vLLM's ``AsyncLLM`` in this process, same dtype, 1 and 4 concurrent.
+
+Usage::
+
+    python bench/pipeline.py [--tokens 64] [--rounds 3] [--stages 1 2 4] [--dtype float32] [--threads 1]
+
+Targets are measured round-robin, ``--rounds`` times, and medians reported: on a shared host the
+speed drifts by tens of percent within minutes, so only side-by-side numbers compare. vLLM sizes
+its own CPU threads (all cores); ``--threads`` applies to the HF process, the origin and every
+stage.
+
+Prints a table and writes ``bench/results/pipeline.json``. Run it on an idle box (nothing else
+using the CPU); it records the CPU flags and dtype next to the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _cpu_flags() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return platform.processor()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return " ".join(f for f in wanted if f in flags)
+
+
+def _row(name: str, seqs: int, tokens: int, wall: float, per_token: list[float]) -> dict:
+    return {"target": name, "sequences": seqs, "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2),
+            "per_token_ms_p50": round(1000 * statistics.median(per_token), 2) if per_token else None}
+
+
+class HF:
+    """The unsplit model in this process: a cached greedy loop (one sequence) and ``generate``
+    over a batch of 4."""
+
+    def __init__(self, path: str, dtype):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.ids = self.tok.encode(PROMPT)
+
+    def single(self, tokens: int) -> tuple[float, list[float]]:
+        import torch
+        from transformers import DynamicCache
+
+        with torch.inference_mode():
+            cache, stamps = DynamicCache(config=self.model.config), []
+            start = time.perf_counter()
+            out = self.model(torch.tensor([self.ids]), past_key_values=cache, use_cache=True)
+            for _ in range(tokens):
+                nxt = out.logits[0, -1].argmax()
+                stamps.append(time.perf_counter())
+                out = self.model(nxt.view(1, 1), past_key_values=cache, use_cache=True)
+            return time.perf_counter() - start, [b - a for a, b in itertools.pairwise(stamps)]
+
+    def batch4(self, tokens: int) -> float:
+        import torch
+
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(torch.tensor([self.ids] * 4), max_new_tokens=tokens,
+                                min_new_tokens=tokens, do_sample=False,
+                                pad_token_id=self.tok.eos_token_id)
+        return time.perf_counter() - start
+
+
+async def _drive(host, tokens: int, seqs: int, tag: str) -> tuple[float, list[float]]:
+    from protocols.internal import GenerateRequest, Sampling, TextPrompt, TokenEvent
+
+    async def one(i: int) -> list[float]:
+        request = GenerateRequest(request_id=f"{tag}-{i}-{time.monotonic_ns()}", model="m",
+                                  prompt=TextPrompt(text=PROMPT),
+                                  sampling=Sampling(temperature=0, max_tokens=tokens,
+                                                    ignore_eos=True))
+        stamps = [time.perf_counter() async for e in host.generate(request)
+                  if isinstance(e, TokenEvent)]
+        assert len(stamps) == tokens, f"{tag}: {len(stamps)} tokens"
+        return [b - a for a, b in itertools.pairwise(stamps)]
+
+    start = time.perf_counter()
+    steps = await asyncio.gather(*(one(i) for i in range(seqs)))
+    return time.perf_counter() - start, [s for seq in steps for s in seq]
+
+
+def _pipeline(stages: int, dtype: str, threads: int):
+    from engines.config import ModelConfig
+    from engines.host import EngineHost
+    from engines.pipeline.engine import PipelineEngine
+
+    engine = PipelineEngine(ModelConfig(name="m", engine="pipeline", engine_args={
+        "num_stages": stages, "dtype": dtype, "stage_num_cpus": 0.01, "stage_threads": threads,
+        "origin_threads": threads}))
+    return engine, EngineHost(engine)
+
+
+def _merge(name: str, runs: list[tuple[int, int, float, list[float]]]) -> list[dict]:
+    """Per concurrency: the median wall time over rounds and the median per-token latency."""
+    rows = []
+    for seqs in sorted({r[0] for r in runs}):
+        mine = [r for r in runs if r[0] == seqs]
+        wall = statistics.median(r[2] for r in mine)
+        steps = [s for r in mine for s in r[3]]
+        rows.append(_row(name, seqs, mine[0][1], wall, steps))
+    return rows
+
+
+def run_all(args) -> list[dict]:
+    """Round-robin over every target, ``args.rounds`` times (a noisy shared host drifts; what
+    is compared was measured side by side), then medians."""
+    import ray
+    import torch
+
+    from engines.embedded import prepare_embedded_model
+
+    path = str(prepare_embedded_model())
+    dtype = getattr(torch, args.dtype)
+    hf = HF(path, dtype)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    pipes = {n: _pipeline(n, args.dtype, args.threads) for n in args.stages}
+    vllm = None
+    if not args.no_vllm:
+        from engines.config import ModelConfig
+        from engines.host import EngineHost
+        from engines.vllm.engine import VLLMEngine
+
+        vllm = VLLMEngine(ModelConfig(name="m", source=path, engine_args={
+            "dtype": args.dtype, "max_model_len": 2048}))
+        pipes["vllm"] = (vllm, EngineHost(vllm))
+    runs: dict[str, list] = {"hf": [], "hf-batch4": []}
+
+    async def rounds() -> None:
+        for _, host in pipes.values():
+            await _drive(host, 8, 1, "warm")
+        hf.single(8)
+        t = args.tokens
+        for _ in range(args.rounds):
+            wall, steps = hf.single(t)
+            runs["hf"].append((1, t, wall, steps))
+            runs["hf-batch4"].append((4, 4 * t, hf.batch4(t), []))
+            for key, (_, host) in pipes.items():
+                name = key if key == "vllm" else f"pipeline-{key}"
+                for seqs in (1, 4):
+                    wall, steps = await _drive(host, t, seqs, name)
+                    runs.setdefault(name, []).append((seqs, seqs * t, wall, steps))
+
+    try:
+        asyncio.run(rounds())
+    finally:
+        if vllm is not None:
+            vllm._llm.shutdown()
+        ray.shutdown()
+    return [row for name, r in runs.items() for row in _merge(name, r)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the HF process, the origin and each stage")
+    parser.add_argument("--no-vllm", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rows = run_all(args)
+    hf = next(r for r in rows if r["target"] == "hf")
+    for row in rows:
+        if row["per_token_ms_p50"] and row["sequences"] == 1:
+            row["per_token_vs_hf"] = round(row["per_token_ms_p50"] / hf["per_token_ms_p50"], 3)
+        single = next((r for r in rows if r["target"] == row["target"] and r["sequences"] == 1),
+                      None)
+        if single and row["sequences"] == 4:
+            row["throughput_vs_single"] = round(row["tokens_per_s"] / single["tokens_per_s"], 2)
+    meta = {"cpu_flags": _cpu_flags(), "cores": os.cpu_count(), "dtype": args.dtype,
+            "threads": args.threads, "tokens": args.tokens, "torch": torch.__version__,
+            "command": "python " + " ".join(sys.argv)}
+    out = ROOT / "bench" / "results" / "pipeline.json"
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(json.dumps(meta))
+    print(f"{'target':<12} {'seqs':>4} {'tok/s':>8} {'ms/tok p50':>10} {'vs hf':>6} {'x single':>8}")
+    for r in rows:
+        print(f"{r['target']:<12} {r['sequences']:>4} {r['tokens_per_s']:>8} "
+              f"{r['per_token_ms_p50'] or '-':>10} {r.get('per_token_vs_hf', '-'):>6} "
+              f"{r.get('throughput_vs_single', '-'):>8}")
+
+
+if __name__ == "__main__":
+    main()
