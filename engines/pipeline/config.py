@@ -24,8 +24,10 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kept in the replica so stages never see embedding rows (invertible to tokens).
     ``prefill_chunk``: prompt tokens per stage call. ``max_sequences``: sequences in flight at
     once (more wait in the replica). ``max_restarts``: stage failures survived per request.
-    ``digest``: blake2b per hop, checked on receipt. ``placement_strategy``: a placement group
-    with one bundle per stage (``STRICT_SPREAD``: each stage on its own node);
+    ``digest``: blake2b per hop, checked on receipt. ``device``: where the origin and the stages
+    compute (``cuda`` stages need ``stage_num_gpus``); activations cross in host memory.
+    ``placement_strategy``: a placement group with one bundle per stage (``STRICT_SPREAD``: each
+    stage on its own node);
     ``stage_resources``: custom resources per stage (from the cluster config), instead."""
 
     stages: list[tuple[int, int]] | None = None
@@ -46,6 +48,7 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_restarts: int = 2
     digest: bool = False
     cache_ttl_s: float = 600.0
+    step_timeout_s: float = 60.0  # per chunk in flight; a hung stage is killed and respawned
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "prefill_chunk", "max_sequences"):
@@ -54,6 +57,8 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("origin_layers", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.step_timeout_s <= 0 or self.cache_ttl_s <= 0:
+            raise ValueError("step_timeout_s and cache_ttl_s must be > 0")
         if self.stage_num_cpus <= 0:
             raise ValueError("stage_num_cpus must be > 0 (Ray sizes a stage's threads by it)")
         if self.stage_resources is not None:

@@ -66,13 +66,14 @@ class PipelineEngine:
         self.dtype = getattr(torch, self.args.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         parts = load_origin(self.model_path, self.args.origin_layers, self.dtype,
-                            self.args.attn_implementation, hf_config)
+                            self.args.attn_implementation, hf_config).to(self.args.device)
         self.stages = stages or RayStages(self.model_path, self.ranges, self.args,
                                           label=f"{config.name}")
         self.origin = Origin(parts, self.args.origin_layers, self.stages,
                              prefill_chunk=self.args.prefill_chunk,
                              max_restarts=self.args.max_restarts, check_digest=self.args.digest,
-                             threads=self.args.origin_threads)
+                             device=self.args.device, threads=self.args.origin_threads,
+                             step_timeout_s=self.args.step_timeout_s)
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         vocab_size = parts.head_weight.shape[0]
@@ -287,11 +288,12 @@ class PipelineEngine:
         if self._reference is None:
             self._reference = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=self.dtype,
-                attn_implementation=self.args.attn_implementation).eval()
+                attn_implementation=self.args.attn_implementation).to(self.args.device).eval()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         with torch.inference_mode():
             out = self._reference.generate(
-                torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                torch.tensor([ids], device=self.args.device), max_new_tokens=max_tokens,
+                do_sample=False,
                 output_logits=True, return_dict_in_generate=True,
                 eos_token_id=sorted(self.eos_ids), pad_token_id=self.tokenizer.eos_token_id,
                 temperature=None, top_p=None, top_k=None)

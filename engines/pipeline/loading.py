@@ -147,6 +147,14 @@ class OriginParts:
         self.head_weight = head_weight
         self.layers = layers
 
+    def to(self, device: str) -> OriginParts:
+        self.embed.to(device)
+        self.norm.to(device)
+        self.head_weight = self.head_weight.to(device)
+        if self.layers is not None:
+            self.layers.to(device)
+        return self
+
     def logits(self, hidden):
         """LM-head logits (float32) of hidden states that went through every layer."""
         import torch

@@ -19,9 +19,13 @@ from engines.pipeline.loading import OriginParts
 from engines.pipeline.stage import CacheMismatch, Hop, StageCore, digest
 
 __all__ = ["LocalStages", "Origin", "PipelineFailure", "RayStages", "Resolved", "Sequence",
-           "Stages"]
+           "StageTimeout", "Stages"]
 
 log = logging.getLogger(__name__)
+
+
+class StageTimeout(RuntimeError):
+    """A step did not come back from the stages in time (a hung stage): restart path."""
 
 
 class PipelineFailure(RuntimeError):
@@ -135,7 +139,7 @@ class RayStages:
         options["name"] = f"{self.label}:stage{i}:{start}-{end}:{id(self):x}.{self._spawned}"
         return self._cls.options(**options).remote(
             self.model_dir, start, end, self.args.dtype, self.args.attn_implementation,
-            self.args.stage_threads, self.args.cache_ttl_s)
+            self.args.stage_threads, self.args.cache_ttl_s, self.args.device)
 
     def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
         ref: Any = hop
@@ -190,9 +194,11 @@ class Origin:
 
     def __init__(self, parts: OriginParts, origin_layers: int, stages: Stages, *,
                  prefill_chunk: int, max_restarts: int, check_digest: bool, device: str = "cpu",
-                 threads: int | None = None):
+                 threads: int | None = None, step_timeout_s: float = 60.0):
         self.parts = parts
-        self.own = StageCore(parts.layers, 0, origin_layers) if parts.layers is not None else None
+        self.own = (StageCore(parts.layers, 0, origin_layers, device=device)
+                    if parts.layers is not None else None)
+        self.step_timeout_s = step_timeout_s
         self.stages = stages
         self.prefill_chunk = prefill_chunk
         self.max_restarts = max_restarts
@@ -239,7 +245,7 @@ class Origin:
                 return out
             except self.stages.cancelled as exc:  # still our own cancellation
                 raise asyncio.CancelledError() from exc
-            except self.stages.failures as exc:
+            except (*self.stages.failures, StageTimeout) as exc:
                 seq.restarts += 1
                 self.restarts += 1
                 self.release(seq.seq_id)
@@ -253,7 +259,12 @@ class Origin:
                 every = False  # what was asked of the first pass was delivered then or never
 
     async def _collect(self, pending: list[Awaitable[Hop]], every: bool) -> list[Any]:
-        hops = await asyncio.gather(*pending) if every else [await pending[-1]]
+        try:  # per chunk in flight: a long prefill may wait behind other sequences' steps
+            async with asyncio.timeout(self.step_timeout_s * len(pending)):
+                hops = await asyncio.gather(*pending) if every else [await pending[-1]]
+        except TimeoutError:
+            raise StageTimeout(f"no answer from the stages in {self.step_timeout_s} s per "
+                               f"chunk") from None
         for hop in hops:
             if self.check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id,
                                                    hop.step):
@@ -265,8 +276,8 @@ class Origin:
 
         with torch.inference_mode():
             positions = torch.arange(start, start + len(ids))
-            hidden = self.parts.embed(torch.tensor([ids]))
-            hop = Hop(hidden=hidden, positions=positions, seq_id=seq_id, step=start)
+            hidden = self.parts.embed(torch.tensor([ids], device=self.device))
+            hop = Hop(hidden=hidden.cpu(), positions=positions, seq_id=seq_id, step=start)
             if self.own is not None:
                 hop = self.own.forward(hop)
             if self.check:
@@ -278,7 +289,7 @@ class Origin:
         import torch
 
         with torch.inference_mode():
-            return self.parts.logits(hidden)[0]
+            return self.parts.logits(hidden.to(self.device))[0].cpu()
 
     def release(self, seq_id: str) -> None:
         if self.own is not None:

@@ -56,8 +56,9 @@ class StageCore:
     """Layers ``[start, end)`` of a model (a sliced base model, see ``loading``) and their
     per-sequence caches."""
 
-    def __init__(self, model, start: int, end: int, ttl_s: float = 600.0):
+    def __init__(self, model, start: int, end: int, ttl_s: float = 600.0, device: str = "cpu"):
         self.model = model
+        self.device = device  # where the layers compute; hops travel in host memory
         self.start, self.end = start, end
         self.ttl_s = ttl_s
         self.caches: dict[str, Any] = {}
@@ -82,8 +83,10 @@ class StageCore:
             try:
                 cache = self._guard(hop.seq_id, first)
                 with torch.inference_mode():
-                    out = self.model(inputs_embeds=hop.hidden, position_ids=hop.positions[None],
+                    out = self.model(inputs_embeds=hop.hidden.to(self.device),
+                                     position_ids=hop.positions.to(self.device)[None],
                                      past_key_values=cache, use_cache=True).last_hidden_state
+                    out = out.cpu()
             except BaseException:
                 # A mismatch or a half-written cache is of no use: the origin restarts from 0.
                 self._drop(hop.seq_id)
@@ -159,7 +162,8 @@ def stage_actor_class():
         same stage."""
 
         def __init__(self, model_dir: str, start: int, end: int, dtype: str,
-                     attn_implementation: str, threads: int | None, ttl_s: float):
+                     attn_implementation: str, threads: int | None, ttl_s: float,
+                     device: str = "cpu"):
             import torch
 
             from engines.pipeline.loading import load_layers
@@ -167,7 +171,7 @@ def stage_actor_class():
             if threads:
                 torch.set_num_threads(threads)
             model = load_layers(model_dir, start, end, getattr(torch, dtype), attn_implementation)
-            self.core = StageCore(model, start, end, ttl_s)
+            self.core = StageCore(model.to(device), start, end, ttl_s, device)
 
         def forward(self, hop: Hop, check: bool = False) -> Hop:
             return self.core.forward(hop, check)

@@ -232,3 +232,33 @@ def test_bad_layer_plans_fail_at_config_load(args, message):
 def test_even_split():
     assert plan_stages(PipelineArgs(num_stages=3), 30) == [(1, 11), (11, 21), (21, 30)]
     assert plan_stages(PipelineArgs(origin_layers=0, num_stages=2), 5) == [(0, 3), (3, 5)]
+
+
+async def test_a_hung_stage_times_out_into_the_restart_path(engine):
+    class Never:  # a stage call that never answers
+        def __await__(self):
+            return asyncio.sleep(3600).__await__()
+
+    class Hung(LocalStages):
+        def submit(self, hop, check):
+            return Never()
+
+    working, timeout = engine.origin.stages, engine.origin.step_timeout_s
+    engine.origin.stages, engine.origin.step_timeout_s = Hung(working.cores), 0.05
+    try:
+        events = await _events(engine, _req("hung"))
+    finally:
+        engine.origin.stages, engine.origin.step_timeout_s = working, timeout
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent)
+    assert "StageTimeout" in events[0].message
+
+
+def test_origin_and_stages_honour_the_device_option(tiny_dir):
+    """The same ``.to(device)`` path a CUDA box takes (no GPU here: ``cpu`` named explicitly)."""
+    config = ModelConfig(name="tiny", engine="pipeline", source=str(tiny_dir),
+                         engine_args={"stages": [[1, 6]], "device": "cpu"})
+    cores = [StageCore(load_layers(tiny_dir, 1, 6), 1, 6, device="cpu")]
+    engine = PipelineEngine(config, stages=LocalStages(cores))
+    assert engine.origin.device == "cpu" and engine.origin.parts.head_weight.device.type == "cpu"
+    events = asyncio.run(_events(engine, _req("dev", max_tokens=3)))
+    assert [type(e).__name__ for e in events][-1] == "FinalEvent"
