@@ -163,3 +163,23 @@ def test_stages_on_two_nodes_give_the_same_answer():
     assert len(set(result["strict_spread"]["nodes"])) == 2
     assert result["resources"]["tokens"] == result["reference"]
     assert result["strict_spread"]["tokens"] == result["reference"]
+
+
+def test_a_client_disconnect_frees_every_stage_cache(http):
+    """Close an SSE stream after a few events: the replica aborts the request and every stage
+    drops the sequence's cache (checked on the stage actors themselves)."""
+    import time
+
+    import ray
+
+    with http.stream("POST", "/v1/completions", json={
+            "model": PIPELINE_MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+    stages = [ray.get_actor(*name) for name in _stage_names()]
+    deadline = time.monotonic() + 30
+    while any(ray.get([s.cached.remote() for s in stages])):
+        assert time.monotonic() < deadline, "stage caches still hold the aborted sequence"
+        time.sleep(0.2)
