@@ -63,11 +63,12 @@ def gateway_url():
         ray.shutdown()
 
 
-# The same embedded model as a 2-stage pipeline (engines.pipeline), in a second application of
-# the same Serve instance, so every existing test keeps its single-model gateway.
+# The same embedded model as a 3-stage pipeline (engines.pipeline; a middle stage to kill), in a
+# second application of the same Serve instance, so every existing test keeps its single-model
+# gateway.
 PIPELINE_MODEL = f"{EMBEDDED_MODEL_NAME}-pipeline"
 PIPELINE_APP = "pipeline"
-PIPELINE_ARGS = {"num_stages": 2, "stage_num_cpus": 0.2}
+PIPELINE_ARGS = {"num_stages": 3, "stage_num_cpus": 0.15}
 
 
 @pytest.fixture(scope="session")

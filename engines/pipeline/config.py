@@ -13,7 +13,14 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["PipelineArgs", "check_engine_args", "parse_args", "plan_stages"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "PipelineArgs", "check_engine_args", "check_model_type",
+           "parse_args", "plan_stages"]
+
+# Decoder families whose embedding is a plain lookup and whose head is a plain projection of the
+# final norm, as the origin computes them. Others (Gemma's scaled embeddings and soft-capped
+# logits, MoE per-expert checkpoints, quantised weights) would give wrong logits silently, so
+# they are refused.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -117,20 +124,28 @@ def plan_stages(args: PipelineArgs, num_layers: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def num_hidden_layers(model_dir: str | Path) -> int | None:
-    """From ``config.json`` (multimodal wrappers: its ``text_config``); None when unreadable."""
+def check_model_type(model_type: str | None) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"the pipeline engine does not support model type {model_type!r}; "
+                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+
+
+def _text_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """``config.json`` (multimodal wrappers: its ``text_config``); None when unreadable."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
     config = json.loads(path.read_text())
-    config = config.get("text_config") or config
-    value = config.get("num_hidden_layers")
-    return value if isinstance(value, int) else None
+    return config.get("text_config") or config
 
 
 def check_engine_args(engine_args: dict[str, Any], local_dir: str | None) -> None:
-    """What ``serve run`` refuses before any replica starts."""
+    """What ``serve run`` refuses before any replica starts. The model itself is checked only
+    when its directory is readable where the config is loaded (else in the replica)."""
     args = parse_args(engine_args)
-    layers = num_hidden_layers(local_dir) if local_dir else None
-    if layers is not None:
-        plan_stages(args, layers)
+    config = _text_config(local_dir) if local_dir else None
+    if config is not None:
+        check_model_type(config.get("model_type"))
+        layers = config.get("num_hidden_layers")
+        if isinstance(layers, int):
+            plan_stages(args, layers)

@@ -18,7 +18,7 @@ from typing import Any
 from engines.base import Admitted, ReferenceOutput
 from engines.config import ModelConfig
 from engines.embedded import resolve_model_source
-from engines.pipeline.config import PipelineArgs, parse_args, plan_stages
+from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, plan_stages
 from engines.pipeline.origin import Origin, PipelineFailure, RayStages, Sequence, Stages
 from engines.pipeline.sampling import Sampler
 from engines.pipeline.text import OutputText
@@ -62,6 +62,7 @@ class PipelineEngine:
         self.model_path = resolve_model_source(config.source)
         hf_config = load_config(self.model_path)
         tcfg = text_config(hf_config)
+        check_model_type(tcfg.model_type)
         self.ranges = plan_stages(self.args, tcfg.num_hidden_layers)
         self.dtype = getattr(torch, self.args.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -94,7 +95,7 @@ class PipelineEngine:
         return self._info
 
     async def check_health(self) -> None:
-        await self.stages.check()
+        await self.stages.check(busy=self.live > 0)
 
     def render(self, prompt: Prompt) -> list[int]:
         return render_prompt(self.tokenizer, prompt)
@@ -117,16 +118,19 @@ class PipelineEngine:
         prompt_out = asyncio.Event()
 
         async def run(index: int) -> None:
-            if index:
-                await prompt_out.wait()
             try:
-                async for event in self._choice(request, admitted, index, started, prompt_out):
-                    await queue.put(event)
+                if index:
+                    await prompt_out.wait()
+                choice = self._choice(request, admitted, index, started, prompt_out)
+                async with contextlib.aclosing(choice):
+                    async for event in choice:
+                        await queue.put(event)
             except Exception as exc:
                 await queue.put(exc)
             finally:
                 prompt_out.set()
-                await queue.put(None)
+            # Not in `finally`: a cancelled task must not block on a full queue nobody reads.
+            await queue.put(None)
 
         tasks = [asyncio.create_task(run(i)) for i in range(n)]
         try:
@@ -209,21 +213,24 @@ class PipelineEngine:
                     yield ErrorEvent(kind="engine", message=str(exc))
             finally:
                 self.live -= 1
-                self.origin.release(seq.seq_id)  # completion, error, disconnect, deadline
+                await self.origin.release(seq.seq_id)  # completion, error, disconnect, deadline
 
     def _advance(self, token: int, text: OutputText, s, generated: int, max_tokens: int,
                  length: int) -> tuple[FinishReason | None, str | int | None, str, str]:
         """Why the choice ends after ``token`` (or None), the stop reason, the text delta to
         send and the token's own piece of text."""
-        if token in self.eos_ids and not s.ignore_eos:
-            # An EOS's text is not output (vLLM); the model's extra EOS ids count as EOS.
-            return "eos", None if token == self.tokenizer.eos_token_id else token, "", ""
-        if token in s.stop_token_ids:
+        stop_id = token in s.stop_token_ids
+        if stop_id or (token in self.eos_ids and not s.ignore_eos):
+            # A stop token's text is output only with include_stop_str_in_output (vLLM); the
+            # model's extra EOS ids (generation config) count as EOS.
             if s.include_stop_str_in_output:
-                piece, delta, _ = text.add(token)
+                piece, delta, _ = text.add(token, check_stops=False)
+            else:
+                piece, delta = text.piece(token), ""
+            if stop_id:
                 return "stop_sequence", token, delta, piece
-            return "stop_sequence", token, "", ""
-        piece, delta, stop = text.add(token)
+            return "eos", None if token == self.tokenizer.eos_token_id else token, delta, piece
+        piece, delta, stop = text.add(token, check_stops=generated >= s.min_tokens)
         if stop is not None:
             return "stop_sequence", stop, delta, piece
         if generated >= max_tokens or length >= self._info.max_model_len:

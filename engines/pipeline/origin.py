@@ -23,6 +23,8 @@ __all__ = ["LocalStages", "Origin", "PipelineFailure", "RayStages", "Resolved", 
 
 log = logging.getLogger(__name__)
 
+_RESPAWN_S = 600.0  # a respawned stage loads its weights; longer means it cannot be placed
+
 
 class StageTimeout(RuntimeError):
     """A step did not come back from the stages in time (a hung stage): restart path."""
@@ -44,11 +46,12 @@ class Stages(Protocol):
 
     def free(self, seq_id: str) -> None: ...
 
-    async def recover(self) -> None:
-        """Respawn dead stages (same range and placement) and wait until they are ready."""
+    async def recover(self, patience: float = 60.0) -> None:
+        """Respawn dead or unresponsive (``patience`` s) stages, same range and placement, and
+        wait until they are ready; TimeoutError when a respawn does not come up."""
         ...
 
-    async def check(self) -> None: ...
+    async def check(self, busy: bool = False) -> None: ...
 
 
 class Resolved:
@@ -86,10 +89,10 @@ class LocalStages:
         for core in self.cores:
             core.free(seq_id)
 
-    async def recover(self) -> None:
+    async def recover(self, patience: float = 60.0) -> None:
         return None
 
-    async def check(self) -> None:
+    async def check(self, busy: bool = False) -> None:
         return None
 
 
@@ -151,7 +154,7 @@ class RayStages:
         for actor in self.actors:
             actor.free.remote(seq_id)  # fire and forget; a dead stage has nothing to free
 
-    async def recover(self) -> None:
+    async def recover(self, patience: float = 60.0) -> None:
         # One recovery at a time: concurrent sequences that saw the same death respawn once.
         self._recovering = self._recovering or asyncio.Lock()
         async with self._recovering:
@@ -159,19 +162,32 @@ class RayStages:
 
             for i, actor in enumerate(self.actors):
                 try:
-                    await asyncio.wait_for(actor.where.remote(), 60)
+                    await asyncio.wait_for(actor.where.remote(), patience)
                     continue
                 except (RayActorError, TimeoutError):
                     pass
-                log.warning("stage %d %s is gone; respawning it", i, self.ranges[i])
+                log.warning("stage %d %s is gone or hung; respawning it", i, self.ranges[i])
                 import ray
 
                 ray.kill(actor, no_restart=True)
                 self.actors[i] = self._spawn(i)
-                await self.actors[i].where.remote()
+                await asyncio.wait_for(self.actors[i].where.remote(), _RESPAWN_S)
 
-    async def check(self) -> None:
-        await asyncio.gather(*(asyncio.wait_for(a.where.remote(), 30) for a in self.actors))
+    async def check(self, busy: bool = False) -> None:
+        """Every stage answers, or is respawned. A stage answers in order, after the steps
+        queued before (one call at a time), so while sequences are in flight (``busy``) a slow
+        answer is not a failure: a hung stage is caught by the step timeout instead."""
+        from ray.exceptions import RayActorError
+
+        try:
+            await asyncio.gather(*(asyncio.wait_for(a.where.remote(), 30) for a in self.actors))
+        except RayActorError:
+            await self.recover()
+        except TimeoutError:
+            if not busy:
+                raise
+        for actor in self.actors:  # the health check's period drives the orphan sweep
+            actor.sweep.remote()
 
     async def where(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(a.where.remote() for a in self.actors)))
@@ -205,6 +221,7 @@ class Origin:
         self.check = check_digest
         self.device = device
         self.restarts = 0  # over the origin's life (metrics, tests)
+        self.in_flight = 0  # stage chunks submitted and not yet collected, all sequences
         self._threads = threads
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pipeline-origin",
                                         initializer=self._init_thread)
@@ -226,8 +243,11 @@ class Origin:
         start, tokens, pending = seq.cached, seq.tokens, []
         while start < len(tokens):
             end = min(start + self.prefill_chunk, len(tokens))
-            pending.append(self.stages.submit(self._embed(seq.seq_id, tokens[start:end], start),
-                                              self.check))
+            try:  # the origin's own layers guard positions too: a mismatch is a restart
+                hop = self._embed(seq.seq_id, tokens[start:end], start)
+            except CacheMismatch as exc:
+                return [Resolved(error=exc)]
+            pending.append(self.stages.submit(hop, self.check))
             start = end
         return pending
 
@@ -248,23 +268,32 @@ class Origin:
             except (*self.stages.failures, StageTimeout) as exc:
                 seq.restarts += 1
                 self.restarts += 1
-                self.release(seq.seq_id)
+                await self.release(seq.seq_id)
                 if seq.restarts > self.max_restarts:
                     raise PipelineFailure(f"the pipeline failed {seq.restarts} times on this "
                                           f"request (last: {type(exc).__name__})") from exc
                 log.warning("restarting %s from its %d tokens after %r", seq.seq_id,
                             len(seq.tokens), exc)
-                await self.stages.recover()
+                try:
+                    await self.stages.recover(self._patience())
+                except TimeoutError as timeout:
+                    raise PipelineFailure("a respawned stage did not come up") from timeout
                 seq.cached, pending = 0, None
-                every = False  # what was asked of the first pass was delivered then or never
+
+    def _patience(self) -> float:
+        """How long a stage may take to answer: a step queues behind every chunk in flight
+        (all sequences'), so the allowance grows with them."""
+        return self.step_timeout_s * max(1, self.in_flight)
 
     async def _collect(self, pending: list[Awaitable[Hop]], every: bool) -> list[Any]:
-        try:  # per chunk in flight: a long prefill may wait behind other sequences' steps
-            async with asyncio.timeout(self.step_timeout_s * len(pending)):
+        self.in_flight += len(pending)
+        try:
+            async with asyncio.timeout(self._patience()):
                 hops = await asyncio.gather(*pending) if every else [await pending[-1]]
         except TimeoutError:
-            raise StageTimeout(f"no answer from the stages in {self.step_timeout_s} s per "
-                               f"chunk") from None
+            raise StageTimeout(f"no answer from the stages in {self._patience():.0f} s") from None
+        finally:
+            self.in_flight -= len(pending)
         for hop in hops:
             if self.check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id,
                                                    hop.step):
@@ -291,7 +320,13 @@ class Origin:
         with torch.inference_mode():
             return self.parts.logits(hidden.to(self.device))[0].cpu()
 
-    def release(self, seq_id: str) -> None:
+    async def release(self, seq_id: str) -> None:
+        """Free ``seq_id`` everywhere, on the origin's thread: after any submission for it that
+        is still running there (which would otherwise re-create a cache after the free), and
+        shielded, so a second cancellation cannot skip it."""
+        await asyncio.shield(self.run(self._release, seq_id))
+
+    def _release(self, seq_id: str) -> None:
         if self.own is not None:
             self.own.free(seq_id)
         self.stages.free(seq_id)

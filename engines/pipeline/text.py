@@ -26,18 +26,23 @@ class OutputText:
         self.text = ""  # the output text so far (cut at a stop string once one matched)
         self.emitted = 0  # characters of ``text`` already handed out as deltas
 
-    def add(self, token_id: int) -> tuple[str, str, str | None]:
+    def add(self, token_id: int, check_stops: bool = True) -> tuple[str, str, str | None]:
         """Append a token: (its piece of text, the delta to send now, the stop string it
-        completed or None)."""
+        completed or None). ``check_stops`` False: text before ``min_tokens`` is out, which
+        stop strings don't end (vLLM)."""
         piece = self._piece(token_id)
         scan_from = max(0, len(self.text) - self.hold)
         self.text += piece
-        for stop in self.stops:
+        for stop in self.stops if check_stops else ():
             at = self.text.find(stop, scan_from)
             if at >= 0:
                 self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
                 return piece, self._delta(len(self.text)), stop
         return piece, self._delta(len(self.text) - self.hold if self.stops else len(self.text)), None
+
+    def piece(self, token_id: int) -> str:
+        """The text ``token_id`` adds, without adding it to the output (a stop token's)."""
+        return self._piece(token_id)
 
     def flush(self) -> str:
         """What was held back, at the end of the sequence."""

@@ -1,4 +1,4 @@
-"""The pipeline engine kind end to end: the embedded model split into 2 Ray stage actors behind
+"""The pipeline engine kind end to end: the embedded model split into 3 Ray stage actors behind
 Ray Serve, reached by each protocol's real client. Oracle: the unsplit HF model's greedy
 ``generate`` (``reference_greedy`` on the pipeline replica), never the pipeline itself."""
 
@@ -114,7 +114,7 @@ def test_too_long_prompt_is_the_protocols_400(http):
 
 
 def test_a_killed_middle_stage_is_respawned_and_the_stream_goes_on(pipeline_url, pipeline_handle):
-    """Kill the second stage after the 3rd streamed token: the replica respawns it, re-prefills
+    """Kill the middle stage after the 3rd streamed token: the replica respawns it, re-prefills
     from its tokens, and the client gets the unsplit model's tokens, none twice or lost."""
     import ray
     from openai import OpenAI
@@ -129,11 +129,11 @@ def test_a_killed_middle_stage_is_respawned_and_the_stream_goes_on(pipeline_url,
         if chunk.choices and chunk.choices[0].text:
             tokens.append(chunk.choices[0].text)
         if len(tokens) >= 3 and killed is None:
-            killed = _stage_names()[-1]
+            killed = _stage_names()[1]
             ray.kill(ray.get_actor(*killed))
     assert killed is not None
     assert "".join(tokens) == want.text
-    assert killed not in _stage_names() and len(_stage_names()) == 2
+    assert killed not in _stage_names() and len(_stage_names()) == 3
 
 
 def _stage_names() -> list[tuple[str, str]]:
@@ -165,21 +165,37 @@ def test_stages_on_two_nodes_give_the_same_answer():
     assert result["strict_spread"]["tokens"] == result["reference"]
 
 
-def test_a_client_disconnect_frees_every_stage_cache(http):
-    """Close an SSE stream after a few events: the replica aborts the request and every stage
-    drops the sequence's cache (checked on the stage actors themselves)."""
+def test_a_client_disconnect_frees_every_stage_cache(http, pipeline_handle):
+    """Close an SSE stream of a long request after a few events: the replica aborts it (the
+    abort is counted) and every stage drops the sequence's cache (asked of the actors)."""
     import time
 
     import ray
 
+    aborted = pipeline_handle.stats.remote().result().aborted
     with http.stream("POST", "/v1/completions", json={
-            "model": PIPELINE_MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+            "model": PIPELINE_MODEL, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0,
             "ignore_eos": True, "stream": True}) as response:
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
     stages = [ray.get_actor(*name) for name in _stage_names()]
-    deadline = time.monotonic() + 30
-    while any(ray.get([s.cached.remote() for s in stages])):
-        assert time.monotonic() < deadline, "stage caches still hold the aborted sequence"
+    deadline = time.monotonic() + 30  # 3000 tokens take minutes: only an abort ends it here
+    while pipeline_handle.stats.remote().result().aborted == aborted or any(
+            ray.get([s.cached.remote() for s in stages])):
+        assert time.monotonic() < deadline, "not aborted, or a stage still holds its cache"
         time.sleep(0.2)
+    assert pipeline_handle.stats.remote().result().active == 0
+
+
+def test_the_health_check_respawns_a_stage_that_died_while_idle(pipeline_handle, http, reference):
+    import ray
+
+    victim = _stage_names()[0]
+    ray.kill(ray.get_actor(*victim))
+    pipeline_handle.check_health.remote().result()  # healthy again: the stage was respawned
+    names = _stage_names()
+    assert victim not in names and len(names) == 3
+    answer = http.post("/v1/completions", json={"model": PIPELINE_MODEL, "prompt": PROMPT,
+                                                "max_tokens": TOKENS, "temperature": 0})
+    assert answer.json()["choices"][0]["text"] == reference.text

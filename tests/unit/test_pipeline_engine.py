@@ -90,6 +90,7 @@ async def test_prompt_logprobs_match_the_unsplit_forward(engine, tiny_dir):
     prompt = events[0]
     assert isinstance(prompt, PromptEvent) and prompt.text == PROMPT
     ids = [t.token_id for t in prompt.tokens]
+    assert ids == engine.tokenizer.encode(PROMPT)  # every position, none lost
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     with torch.inference_mode():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
@@ -253,8 +254,9 @@ async def test_a_hung_stage_times_out_into_the_restart_path(engine):
     assert "StageTimeout" in events[0].message
 
 
-def test_origin_and_stages_honour_the_device_option(tiny_dir):
-    """The same ``.to(device)`` path a CUDA box takes (no GPU here: ``cpu`` named explicitly)."""
+def test_the_device_option_smoke_on_cpu(tiny_dir):
+    """``device`` named explicitly takes the ``.to(device)`` path; only ``cpu`` can run here (no
+    GPU), so this is a smoke test of that path, not a check of CUDA placement."""
     config = ModelConfig(name="tiny", engine="pipeline", source=str(tiny_dir),
                          engine_args={"stages": [[1, 6]], "device": "cpu"})
     cores = [StageCore(load_layers(tiny_dir, 1, 6), 1, 6, device="cpu")]
@@ -262,3 +264,66 @@ def test_origin_and_stages_honour_the_device_option(tiny_dir):
     assert engine.origin.device == "cpu" and engine.origin.parts.head_weight.device.type == "cpu"
     events = asyncio.run(_events(engine, _req("dev", max_tokens=3)))
     assert [type(e).__name__ for e in events][-1] == "FinalEvent"
+
+
+async def test_a_restart_during_a_prompt_logprobs_prefill_still_reports_every_position(engine):
+    expected = await _events(engine, _req("pl0", max_tokens=2,
+                                          output=OutputOptions(prompt_logprobs=1)))
+    calls = 0
+    working = engine.origin.stages
+
+    class FailFirst(LocalStages):
+        def submit(self, hop, check):
+            nonlocal calls
+            calls += 1
+            if calls == 1:  # the first prefill chunk is lost
+                return Resolved(error=CacheMismatch("lost"))
+            return super().submit(hop, check)
+
+    engine.origin.stages = FailFirst(working.cores)
+    try:
+        got = await _events(engine, _req("pl1", max_tokens=2,
+                                         output=OutputOptions(prompt_logprobs=1)))
+    finally:
+        engine.origin.stages = working
+    assert calls > 2 and isinstance(got[0], PromptEvent)
+    assert got[0].tokens == expected[0].tokens
+    assert [e.token_id for e in got if isinstance(e, TokenEvent)] == [
+        e.token_id for e in expected if isinstance(e, TokenEvent)]
+    assert _clean(engine)
+
+
+async def test_closing_an_n_choice_stream_ends_every_choice_and_frees_caches(engine):
+    request = _req("nclose", n=3, temperature=1.0, seed=3, max_tokens=300, ignore_eos=True)
+    stream = EngineHost(engine).generate(request)
+    async with asyncio.timeout(30):  # a stuck task would hang here
+        async with aclosing(stream):
+            seen = 0
+            async for event in stream:
+                seen += isinstance(event, TokenEvent)
+                if seen == 5:
+                    break
+    assert engine.live == 0 and _clean(engine)
+
+
+async def test_stop_strings_wait_for_min_tokens(engine):
+    plain = await _events(engine, _req("m0", max_tokens=12))
+    text = "".join(e.text for e in plain if isinstance(e, TokenEvent)) + plain[-1].text
+    pieces = [e for e in plain if isinstance(e, TokenEvent)]
+    stop = text[1:3]  # inside the first tokens' text
+    early = await _events(engine, _req("m1", max_tokens=12, stop=(stop,)))
+    assert early[-1].finish_reason == "stop_sequence"
+    late = await _events(engine, _req("m2", max_tokens=12, stop=(stop,),
+                                      min_tokens=len(pieces)))
+    assert late[-1].finish_reason in ("length", "stop_sequence")
+    assert sum(isinstance(e, TokenEvent) for e in late) > sum(
+        isinstance(e, TokenEvent) for e in early)
+
+
+def test_unsupported_model_types_are_refused(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text",
+                                                      "num_hidden_layers": 4}))
+    with pytest.raises(ValueError, match="does not support model type 'gemma3_text'"):
+        ModelConfig(name="g", engine="pipeline", source=str(tmp_path))

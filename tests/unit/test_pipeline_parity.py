@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engines.pipeline.loading import load_layers, load_origin
-from engines.pipeline.origin import LocalStages, Origin, Sequence
+from engines.pipeline.origin import LocalStages, Origin, Resolved, Sequence
 from engines.pipeline.stage import CacheMismatch, Hop, StageCore
 from tests.pipeline_models import build_tiny
 
@@ -58,7 +58,7 @@ async def _greedy(origin: Origin, prompt: list[int], steps: int, seq_id: str = "
         token = int(torch.argmax(row))
         tokens.append(token)
         seq.tokens.append(token)
-    origin.release(seq_id)
+    await origin.release(seq_id)
     return tokens, torch.stack(logits)
 
 
@@ -160,16 +160,28 @@ async def test_digests_are_checked_on_every_hop(tmp_path):
     plain, _ = await _greedy(_origin(path, RANGES["llama"], "sdpa"), _prompt(100), 3)
     assert (await _greedy(origin, _prompt(100), 3))[0] == plain
 
-    class Tamper(LocalStages):
-        def submit(self, hop, check):
-            hop.hidden = hop.hidden + 1e-3  # corrupted in transit
-            return super().submit(hop, check)
-
-    origin.stages = Tamper(origin.stages.cores)
     from engines.pipeline.origin import PipelineFailure
 
-    with pytest.raises(PipelineFailure, match="CacheMismatch"):
-        await _greedy(origin, _prompt(100), 3)
+    cores = origin.stages.cores
+    for hop_index in range(len(cores) + 1):  # origin → stage 0, stage i → i+1, last → origin
+
+        class Tamper(LocalStages):
+            def submit(self, hop, check, at=hop_index):
+                try:
+                    for i, core in enumerate(self.cores):
+                        if i == at:
+                            hop.hidden = hop.hidden + 1e-3  # corrupted in transit
+                        hop = core.forward(hop, check)
+                    if at == len(self.cores):
+                        hop.hidden = hop.hidden + 1e-3
+                except Exception as exc:
+                    return Resolved(error=exc)
+                return Resolved(hop)
+
+        origin.stages = Tamper(cores)
+        with pytest.raises(PipelineFailure, match="CacheMismatch"):
+            await _greedy(origin, _prompt(100), 3, seq_id=f"t{hop_index}")
+        assert all(core.cached() == {} for core in cores)
 
 
 def test_a_stage_reads_only_its_layers_tensors(tmp_path, monkeypatch):
