@@ -327,3 +327,27 @@ def test_unsupported_model_types_are_refused(tmp_path):
                                                       "num_hidden_layers": 4}))
     with pytest.raises(ValueError, match="does not support model type 'gemma3_text'"):
         ModelConfig(name="g", engine="pipeline", source=str(tmp_path))
+
+
+async def test_bfloat16_pipeline_follows_the_unsplit_bfloat16_model():
+    """The embedded model with bf16 weights and activations, digests on: greedy tokens equal
+    the unsplit bf16 model's ``generate``; logprobs within the bf16 tolerance the e2e suite uses
+    (tests/serve_session.py: a logit near 20 is resolved to 0.125 in bf16). The prompt fits one
+    prefill chunk, so both sides run the same kernel shapes on any CPU (bf16 rounding differs
+    between shapes enough to flip a close greedy choice)."""
+    from engines.embedded import prepare_embedded_model
+    from tests.serve_session import LOGPROB_TOLERANCE
+
+    path = prepare_embedded_model(progress=False)
+    config = ModelConfig(name="bf16", engine="pipeline",
+                         engine_args={"dtype": "bfloat16", "digest": True})
+    cores = [StageCore(load_layers(path, a, b, torch.bfloat16), a, b) for a, b in [(1, 15),
+                                                                                   (15, 30)]]
+    engine = PipelineEngine(config, stages=LocalStages(cores))
+    assert engine.model_info().dtype == "bfloat16"
+    events = await _events(engine, _req("bf16", max_tokens=8, output=OutputOptions(logprobs=0)))
+    reference = await engine.reference_greedy(PROMPT, 8)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t.token_id for t in tokens] == reference.token_ids
+    for token, logprob in zip(tokens, reference.logprobs, strict=True):
+        assert token.logprob == pytest.approx(logprob, abs=LOGPROB_TOLERANCE["bfloat16"])
