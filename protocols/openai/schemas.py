@@ -6,7 +6,7 @@ Types are checked here; ranges and cross-field rules are checked in ``translate`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -18,6 +18,11 @@ __all__ = [
     "StreamOptions",
     "TokenizeRequest",
 ]
+
+
+# Integers the engines carry as 64-bit (vLLM's msgpack to its engine core): larger JSON integers
+# are refused here, as a 400 naming the field, instead of failing inside the engine.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -34,7 +39,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -50,7 +55,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     prompt_logprobs: int | None = None
 
 

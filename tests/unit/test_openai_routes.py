@@ -221,3 +221,17 @@ async def test_deeply_nested_json_is_400_not_500(client):
 async def test_temperature_above_two_is_400(client):
     _assert_error(await client.post("/v1/completions", json={"prompt": "x", "temperature": 2.5}),
                   400, "temperature")
+
+
+@pytest.mark.parametrize("field", ["priority", "seed"])
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
+async def test_integers_beyond_64_bits_are_a_400_naming_the_field(client, field, value):
+    """Found by fuzzing (issue 15): they used to pass validation and fail in vLLM's engine core
+    (msgpack), answered as a 500 "engine failure"."""
+    for route, body in (("/v1/completions", {"prompt": "Hi"}),
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "Hi"}]})):
+        r = await client.post(route, json={"model": "fake-model", "max_tokens": 2, **body,
+                                           field: value})
+        error = _assert_error(r, 400)
+        assert field in error["message"] or error["param"] == field
