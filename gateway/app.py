@@ -9,6 +9,7 @@ routers and lets the protocol that owns a path render route-level errors in its 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from typing import Any
 
@@ -58,7 +59,7 @@ class _BearerAuth:
 
     def __init__(self, app, api_key: str, errors: _ErrorShapes, public: frozenset[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
         self.errors = errors
         self.public = public
 
@@ -66,12 +67,18 @@ class _BearerAuth:
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.public:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if headers.get(b"authorization") == self.expected:
+        if self._authorized(headers.get(b"authorization", b"")):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":  # refuse the upgrade (HTTP 403)
             return await send({"type": "websocket.close", "code": 1008})
         response = self.errors.response(scope["path"], 401, "invalid or missing API key")
         return await response(scope, receive, send)
+
+    def _authorized(self, header: bytes) -> bool:
+        # The scheme is case-insensitive (RFC 9110 §11.1: clients send "bearer" too); the key is
+        # compared in constant time, so response timing does not leak how much of it matched.
+        scheme, _, credentials = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.key)
 
 
 def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> FastAPI:

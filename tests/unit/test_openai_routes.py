@@ -210,6 +210,11 @@ async def test_api_key_required_when_configured(engine):
         ok = await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
         assert (await c.get("/health")).status_code == 200
+        # The scheme is case-insensitive (issue 15: "bearer x" was a 401); the key is not.
+        for header in ("bearer s3cret", "BEARER  s3cret"):
+            assert (await c.get("/v1/models", headers={"Authorization": header})).status_code == 200
+        for header in ("Bearer S3CRET", "Bearer s3cre", "Basic s3cret", "s3cret", "Bearer"):
+            _assert_error(await c.get("/v1/models", headers={"Authorization": header}), 401)
 
 
 async def test_deeply_nested_json_is_400_not_500(client):
