@@ -34,7 +34,9 @@ __all__ = ["GatewayIngress", "build_app", "create_app"]
 log = logging.getLogger(__name__)
 
 # Probes and metrics answer without the API key (protocols add their own probes).
-_PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/server/metrics"})
+# Open even with an API key: probes. Metrics are not (they name models and count traffic);
+# Prometheus scrapes them with `authorization: {credentials: <key>}`.
+_PUBLIC_PATHS = frozenset({"/health", "/version"})
 VERSION = "0.1.0"
 
 

@@ -6,4 +6,6 @@ from protocols.spec import ProtocolSpec
 
 SPEC = ProtocolSpec(name="mindie", routers=(router,),
                     listing="/v2/models/{model}/generate[_stream]", route_error=route_error,
-                    prefixes=("/v2/",))
+                    prefixes=("/v2/",),
+                    # KServe liveness/readiness probes: orchestrators send no API key.
+                    public_paths=frozenset({"/v2/health/live", "/v2/health/ready"}))

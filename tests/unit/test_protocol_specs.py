@@ -80,6 +80,14 @@ async def test_a_missing_key_is_refused_in_the_paths_protocol_shape(method, path
         assert r.status_code == 200
 
 
+async def test_with_a_key_probes_stay_open_and_metrics_need_it():
+    async with _client(api_key="k") as c:
+        for path in ("/health", "/version", "/ping", "/v2/health/live", "/v2/health/ready"):
+            assert (await c.get(path)).status_code == 200, path
+        assert (await c.get("/metrics")).status_code == 401
+        assert (await c.get("/metrics", headers={"authorization": "Bearer k"})).status_code == 200
+
+
 class _Broken(FakeEngine):
     async def check_health(self) -> None:
         raise RuntimeError("boom")
