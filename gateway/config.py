@@ -29,6 +29,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_request_bytes: int = 64 * 1024 * 1024
     # MindIE's fullTextEnabled: generate_stream events carry the cumulative text, not deltas.
     mindie_full_text: bool = False
+    # Engine sequences one HTTP request may start (OpenAI prompt list times n, LMI dynamic-batch
+    # inputs times n): a larger fan-out is refused in the protocol's shape before any engine work.
+    max_fanout: int = 256
     # Extra names for served models, e.g. {"ensemble": "smollm2-135m-instruct"}.
     aliases: dict[str, str] = {}
     # LMI's option.tgi_compat: /invocations answers in TGI's shapes (a list; SSE streams).
@@ -39,6 +42,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tgi_model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.max_fanout < 1:
+            raise ValueError(f"max_fanout must be positive, got {self.max_fanout}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         names = [m.name for m in self.models]

@@ -111,11 +111,12 @@ async def _invoke(request: Request, body: Any, name: str | None):
 
 
 async def _openai(request: Request,
-                  handler: Callable[[dict, ModelDirectory], Awaitable[openai_serving.Result]],
+                  handler: Callable[[dict, ModelDirectory, int],
+                                    Awaitable[openai_serving.Result]],
                   body: dict) -> Response:
     """An OpenAI-shaped body, answered by OpenAI's serving layer as newer LMI containers do
     (OpenAI's shapes and errors, ``x-request-id`` echoed)."""
-    result = await handler(body, request.app.state.registry)
+    result = await handler(body, request.app.state.registry, request.app.state.config.max_fanout)
     return openai_serving.as_response(result, request.headers.get("x-request-id"))
 
 
@@ -138,6 +139,10 @@ async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
     except InvalidParameters as exc:
         raise (dynamic_error if dynamic else payload_error)(str(exc)) from None
     if isinstance(inputs, list):
+        per_input = max(gen.sampling.n, gen.sampling.best_of or 1)
+        if len(inputs) * per_input > config.max_fanout:
+            raise dynamic_error(f"{len(inputs)} inputs x {per_input} sequences each; at most "
+                                f"{config.max_fanout} are allowed per request")
         return await _dynamic(engine, name, inputs, gen, stream=bool(stream))
     writer = TGIWriter(with_inputs=True) if compat else LMIWriter()
     try:

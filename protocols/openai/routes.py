@@ -27,13 +27,15 @@ async def get_model(request: Request, model: str) -> dict:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    result = await serving.completions(await request.body(), request.app.state.registry)
+    result = await serving.completions(await request.body(), request.app.state.registry,
+                                       _max_fanout(request))
     return serving.as_response(result, request.headers.get("x-request-id"))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    result = await serving.chat_completions(await request.body(), request.app.state.registry)
+    result = await serving.chat_completions(await request.body(), request.app.state.registry,
+                                            _max_fanout(request))
     return serving.as_response(result, request.headers.get("x-request-id"))
 
 
@@ -45,3 +47,8 @@ async def tokenize(request: Request) -> dict:
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict:
     return await serving.detokenize(await request.body(), request.app.state.registry)
+
+
+def _max_fanout(request: Request) -> int:
+    config = getattr(request.app.state, "config", None)
+    return getattr(config, "max_fanout", serving.DEFAULT_MAX_FANOUT)

@@ -110,12 +110,21 @@ async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bo
     return merge(streams)
 
 
-async def completions(raw: bytes | dict | CompletionRequest, models: ModelDirectory) -> Result:
-    """``/v1/completions``; ``raw`` is the JSON body, as bytes or already decoded."""
+DEFAULT_MAX_FANOUT = 256  # GatewayConfig.max_fanout's default
+
+
+async def completions(raw: bytes | dict | CompletionRequest, models: ModelDirectory,
+                      max_fanout: int = DEFAULT_MAX_FANOUT) -> Result:
+    """``/v1/completions``; ``raw`` is the JSON body, as bytes or already decoded. A prompt list
+    times ``n`` above ``max_fanout`` engine sequences is refused before anything starts."""
     body = raw if isinstance(raw, CompletionRequest) else decode_body(raw, CompletionRequest)
     name, engine = _resolve(models, body.model)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     requests = completion_requests(body, name, request_id)
+    if len(requests) * body.n > max_fanout:
+        raise OpenAIError(400, f"this request would start {len(requests)} prompts x n={body.n} "
+                               f"sequences; at most {max_fanout} are allowed per request",
+                          "prompt")
     meta = ChunkMeta(id=request_id, created=int(time.time()), model=name, n=body.n,
                      prompts=len(requests))
     events = await _start(engine, requests, body.echo, body.stream)
@@ -127,12 +136,15 @@ async def completions(raw: bytes | dict | CompletionRequest, models: ModelDirect
                                logprobs=logprobs)
 
 
-async def chat_completions(raw: bytes | dict | ChatCompletionRequest,
-                           models: ModelDirectory) -> Result:
+async def chat_completions(raw: bytes | dict | ChatCompletionRequest, models: ModelDirectory,
+                           max_fanout: int = DEFAULT_MAX_FANOUT) -> Result:
     """``/v1/chat/completions``; ``raw`` is the JSON body, as bytes or already decoded."""
     body = raw if isinstance(raw, ChatCompletionRequest) else decode_body(raw,
                                                                            ChatCompletionRequest)
     name, engine = _resolve(models, body.model)
+    if body.n > max_fanout:
+        raise OpenAIError(400, f"n={body.n} sequences; at most {max_fanout} are allowed per "
+                               f"request", "n")
     meta = ChunkMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name,
                      n=body.n)
     events = await _start(engine, [chat_request(body, name, meta.id)], echo=False,

@@ -347,3 +347,23 @@ async def test_route_errors_in_each_protocols_shape(client):
     assert r.status_code == 405 and set(r.json()) == {"error", "error_type"}
     r = await client.get("/v1/nope")
     assert r.status_code == 404 and "error" in r.json() and "message" in r.json()["error"]
+
+
+async def test_fanout_beyond_max_fanout_is_refused_before_any_engine_request():
+    """Issue 15: an inputs list of 2,000 started 2,000 engine requests. Now inputs x n above
+    GatewayConfig.max_fanout is refused in LMI's dynamic-batch shape; OpenAI-shaped bodies on
+    /invocations get OpenAI's 400 naming the field."""
+    engine = FakeEngine()
+    async with _client({"fake-model": engine}, max_fanout=4) as c:
+        r = await c.post("/invocations", json={"inputs": ["a"] * 5,
+                                               "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 424 and "at most 4" in r.json()["error"]
+        r = await c.post("/invocations", json={"inputs": ["a", "b"], "parameters": {
+            "max_new_tokens": 2, "do_sample": True, "n": 3}})
+        assert r.status_code == 424 and "2 inputs x 3 sequences" in r.json()["error"]
+        assert engine.requests == []
+        r = await c.post("/invocations", json={"prompt": ["a"] * 5, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        ok = await c.post("/invocations", json={"inputs": ["a"] * 4,
+                                                "parameters": {"max_new_tokens": 2}})
+        assert ok.status_code == 200 and len(ok.json()) == 4

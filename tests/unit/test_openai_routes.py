@@ -240,3 +240,29 @@ async def test_integers_beyond_64_bits_are_a_400_naming_the_field(client, field,
                                            field: value})
         error = _assert_error(r, 400)
         assert field in error["message"] or error["param"] == field
+
+
+async def test_prompt_lists_times_n_are_bounded_by_max_fanout(engine):
+    """Issue 15: a prompt list of 2,000 (x n up to 128) used to start every engine request."""
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.registry import ModelRegistry
+
+    app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig(max_fanout=6))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
+        before = len(engine.requests)
+        r = await c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 3,
+                                                  "max_tokens": 2})
+        assert "at most 6" in _assert_error(r, 400, "prompt")["message"]
+        r = await c.post("/v1/completions", json={"prompt": ["a"] * 7, "max_tokens": 2,
+                                                  "stream": True})
+        _assert_error(r, 400, "prompt")
+        r = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "n": 7, "max_tokens": 2})
+        _assert_error(r, 400, "n")
+        assert len(engine.requests) == before  # refused before any engine request
+        ok = await c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3,
+                                                   "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 6
