@@ -30,6 +30,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(url: str, what: str, timeout_s: float = 600) -> None:
+    """Poll ``url``/health until it answers 200 (connection errors while starting included)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"{what} did not become healthy within {timeout_s:.0f} s")
+
+
 @pytest.fixture(scope="session")
 def gateway_url():
     import ray
@@ -47,16 +60,7 @@ def gateway_url():
                                max_request_bytes=MAX_REQUEST_BYTES)
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("gateway did not become healthy within 600 s")
+        _wait_healthy(url, "the gateway")
         yield url
     finally:
         serve.shutdown()
@@ -82,10 +86,7 @@ def pipeline_url(gateway_url):
                            ingress_num_cpus=0.1, max_request_bytes=MAX_REQUEST_BYTES)
     serve.run(build_app(config), name=PIPELINE_APP, route_prefix=f"/{PIPELINE_APP}")
     url = f"{gateway_url}/{PIPELINE_APP}"
-    deadline = time.monotonic() + 600
-    while httpx.get(f"{url}/health", timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, "the pipeline gateway did not become healthy"
-        time.sleep(1)
+    _wait_healthy(url, "the pipeline gateway")
     return url
 
 

@@ -158,8 +158,7 @@ class PipelineEngine:
         prompt_ids = admitted.prompt_ids
         want_prompt = index == 0 and (out.echo or out.prompt_logprobs is not None)
         seq = Sequence(seq_id=f"{request.request_id}/{index}", tokens=list(prompt_ids))
-        sampler = Sampler(s, prompt_ids, self.eos_ids if not s.ignore_eos else frozenset(),
-                          self._info.vocab_size, seed_offset=index)
+        sampler = Sampler(s, prompt_ids, self.eos_ids, self._info.vocab_size, seed_offset=index)
         text = OutputText(self.tokenizer, prompt_ids, out.skip_special_tokens, s.stop,
                           s.include_stop_str_in_output)
         waiting = time.monotonic()

@@ -124,7 +124,8 @@ class RayStages:
             ray.get(self._group.ready(), timeout=300)
         self.actors = [self._spawn(i) for i in range(len(ranges))]
         ray.get([a.where.remote() for a in self.actors])  # weights loaded, or fail now
-        self._recovering: asyncio.Lock | None = None
+        # One recovery at a time: concurrent sequences that saw the same death respawn once.
+        self._recovering = asyncio.Lock()
 
     def _spawn(self, i: int):
         options: dict[str, Any] = {"num_cpus": self.args.stage_num_cpus,
@@ -155,8 +156,6 @@ class RayStages:
             actor.free.remote(seq_id)  # fire and forget; a dead stage has nothing to free
 
     async def recover(self, patience: float = 60.0) -> None:
-        # One recovery at a time: concurrent sequences that saw the same death respawn once.
-        self._recovering = self._recovering or asyncio.Lock()
         async with self._recovering:
             from ray.exceptions import RayActorError
 

@@ -50,5 +50,4 @@ async def detokenize(request: Request) -> dict:
 
 
 def _max_fanout(request: Request) -> int:
-    config = getattr(request.app.state, "config", None)
-    return getattr(config, "max_fanout", serving.DEFAULT_MAX_FANOUT)
+    return request.app.state.config.max_fanout  # a GatewayConfig, as create_app sets it
