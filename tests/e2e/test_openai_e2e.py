@@ -260,3 +260,17 @@ def test_gateway_still_serves_after_bad_requests(openai_client):
     result = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
                                               temperature=0)
     assert result.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("field", ["priority", "seed"])
+def test_integers_beyond_64_bits_are_400_not_an_engine_failure(http, field):
+    """Through real vLLM they failed in its engine core's msgpack, answered as a 500."""
+    error = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                      "max_tokens": 2, field: 2**64}), 400)
+    assert field in error["message"]
+
+
+def test_a_fanout_beyond_the_default_bound_is_400_before_any_engine_request(http):
+    error = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 129,
+                                                      "n": 2, "max_tokens": 1}), 400)
+    assert error["param"] == "prompt" and "at most 256" in error["message"]
