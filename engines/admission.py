@@ -14,7 +14,10 @@ from collections.abc import Iterable
 from engines.base import Admitted
 from protocols.internal import ErrorEvent, GenerateRequest, ModelInfo, TokenPrompt
 
-__all__ = ["Refused", "admit", "check_request"]
+__all__ = ["MAX_LOGIT_BIAS", "Refused", "admit", "check_request"]
+
+# Each entry costs work at every decode step; OpenAI's own API allows 300.
+MAX_LOGIT_BIAS = 1024
 
 
 class Refused(ValueError):
@@ -71,6 +74,11 @@ def admit(request: GenerateRequest, prompt_ids: list[int], info: ModelInfo) -> A
             raise Refused(f"{name} are not reported by the {info.engine} engine", name)
         if not 0 <= k <= limit_k:
             raise Refused(f"{name} must be in [0, {limit_k}]", name)
+    if (s.best_of or 0) > caps.max_n:
+        raise Refused(f"best_of must be at most {caps.max_n} on the {info.engine} engine",
+                      "best_of")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise Refused(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     _check_ids(s.logit_bias, info.vocab_size, "logit_bias")
     _check_ids(s.stop_token_ids, info.vocab_size, "stop_token_ids")
     return Admitted(prompt_ids=prompt_ids, max_tokens=max_tokens)

@@ -87,6 +87,9 @@ class EngineDeployment:
     async def detokenize(self, token_ids: tuple[int, ...]) -> str:
         return await self.host.detokenize(token_ids)
 
+    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        return await self.host.detokenize_each(token_ids)
+
     async def model_info(self) -> ModelInfo:
         return await self.host.model_info()
 

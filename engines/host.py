@@ -65,6 +65,9 @@ class EngineHost:
         """Text of ``token_ids``; ids outside the vocabulary are the caller's to reject."""
         return self.engine.detokenize(token_ids)
 
+    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        return tuple(self.engine.detokenize((token,)) for token in token_ids)
+
     async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
         if not isinstance(self.engine, ReferenceEngine):
             raise NotImplementedError(f"the {self.info.engine} engine has no reference decoder")
@@ -80,9 +83,9 @@ class EngineHost:
         except PromptError as exc:
             yield ErrorEvent(kind="validation", message=f"invalid prompt: {exc}", param="prompt")
             return
-        except Exception as exc:  # a broken tokenizer is the engine's failure, still an event
+        except Exception:  # a broken tokenizer is the engine's failure, still an event
             log.exception("rendering %s failed", request.request_id)
-            yield ErrorEvent(kind="engine", message=f"engine failure: {exc}")
+            yield _failure(request.request_id)
             return
         request_id = request.request_id
         self.active.add(request_id)
@@ -104,9 +107,9 @@ class EngineHost:
             for event in progress.close("abort", "timeout"):
                 yield event
             finished = True
-        except Exception as exc:  # the stream must still end with an event
+        except Exception:  # the stream must still end with an event
             log.exception("engine failure on %s", request_id)
-            yield ErrorEvent(kind="engine", message=f"engine failure: {exc}")
+            yield _failure(request_id)
             finished = True
         finally:
             self.active.discard(request_id)
@@ -182,3 +185,9 @@ class _Progress:
 
 def _broken(what: str) -> ErrorEvent:
     return ErrorEvent(kind="engine", message=f"the engine broke the stream contract: {what}")
+
+
+def _failure(request_id: str) -> ErrorEvent:
+    # The exception's text stays in the log: it may carry paths, addresses and remote traces.
+    return ErrorEvent(kind="engine", message=f"engine failure (request {request_id}; the "
+                      "engine's log has the details)")

@@ -13,11 +13,18 @@ if TYPE_CHECKING:
     from engines.base import Engine
     from engines.config import ModelConfig
 
-__all__ = ["ENGINE_ARG_CHECKS", "ENGINE_KINDS", "check_engine_args", "create_engine"]
+__all__ = ["ENGINE_ARG_CHECKS", "ENGINE_CONCURRENCY", "ENGINE_KINDS", "check_engine_args", "create_engine"]
 
 ENGINE_KINDS: dict[str, str] = {
     "vllm": "engines.vllm.engine:VLLMEngine",
     "pipeline": "engines.pipeline.engine:PipelineEngine",
+}
+
+# Per kind, the engine argument that says how many sequences it batches, and its default
+# (vLLM's SchedulerConfig default; the pipeline's max_sequences): replica limits derive from it.
+ENGINE_CONCURRENCY: dict[str, tuple[str, int]] = {
+    "vllm": ("max_num_seqs", 128),
+    "pipeline": ("max_sequences", 8),
 }
 
 # Per kind, a check of its ``engine_args`` run when the config is loaded (``serve run``), so a

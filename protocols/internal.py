@@ -40,6 +40,7 @@ __all__ = [
     "EngineClient",
     "EngineStats",
     "ErrorEvent",
+    "EngineUnavailable",
     "ErrorKind",
     "Event",
     "FinalEvent",
@@ -173,7 +174,9 @@ class GenerateRequest(_Frozen, kw_only=True):
 # --- events -------------------------------------------------------------------------------
 
 FinishReason = Literal["eos", "stop_sequence", "length", "abort", "error"]
-ErrorKind = Literal["validation", "not_found", "overloaded", "engine"]
+# overloaded: a queue or rate limit is full, retry later (429 where the protocol has one);
+# unavailable: no healthy engine replica right now (503); engine: the engine failed the request.
+ErrorKind = Literal["validation", "not_found", "overloaded", "unavailable", "engine"]
 
 
 class TopLogprob(_Frozen, kw_only=True):
@@ -353,6 +356,19 @@ class ModelRequired(LookupError):
         super().__init__("`model` is required when the gateway serves more than one model.")
 
 
+class EngineUnavailable(RuntimeError):
+    """A non-generate engine call (tokenize, model info, ...) could not be answered: no healthy
+    replica, or it failed. The message is safe to show a client (no addresses, no traces);
+    protocols answer 503 in their own shape."""
+
+    def __init__(self, model: str, what: str = "the engine is unavailable"):
+        super().__init__(f"model `{model}`: {what}; retry later")
+        self.model = model
+
+    def event(self) -> ErrorEvent:
+        return ErrorEvent(kind="unavailable", message=str(self))
+
+
 # --- the engine contract --------------------------------------------------------------------
 
 
@@ -369,6 +385,10 @@ class EngineClient(Protocol):
     async def tokenize(self, prompt: Prompt) -> tuple[int, ...]: ...
 
     async def detokenize(self, token_ids: tuple[int, ...]) -> str: ...
+
+    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        """Each id's own text, in one call (``/tokenize``'s token strings)."""
+        ...
 
     async def model_info(self) -> ModelInfo: ...
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 from protocols.internal import (
     EngineClient,
+    EngineUnavailable,
     ErrorEvent,
     GenerateRequest,
     ModelDirectory,
@@ -18,6 +20,8 @@ from protocols.textgen.params import Generation
 
 __all__ = ["STREAM_HEADERS", "response_meta", "start_generation"]
 
+log = logging.getLogger(__name__)
+
 STREAM_HEADERS = {"Cache-Control": "no-cache"}
 
 
@@ -28,8 +32,11 @@ async def start_generation(engine: EngineClient, model: str, inputs: str,
     if gen.truncate is not None:  # TGI / lmi-dist `truncate`: keep the last N prompt tokens
         try:
             ids = await engine.tokenize(prompt)
-        except Exception as exc:
-            raise GenerationFailed(ErrorEvent(kind="engine", message=f"tokenize: {exc}")) from exc
+        except EngineUnavailable as exc:
+            raise GenerationFailed(exc.event()) from exc
+        except Exception as exc:  # the detail (maybe addresses, traces) goes to the log only
+            log.exception("tokenize for %s failed", model)
+            raise GenerationFailed(ErrorEvent(kind="engine", message="tokenize failed")) from exc
         if len(ids) > gen.truncate:
             prompt = TokenPrompt(token_ids=ids[-gen.truncate:])
     request = GenerateRequest(request_id=uuid.uuid4().hex, model=model, prompt=prompt,
@@ -44,8 +51,11 @@ async def response_meta(models: ModelDirectory, model: str, inputs: str,
                         gen: Generation) -> ResponseMeta:
     try:
         eos_token_id = (await models.info(model)).eos_token_id
+    except EngineUnavailable as exc:
+        raise GenerationFailed(exc.event()) from exc
     except Exception as exc:
-        raise GenerationFailed(ErrorEvent(kind="engine", message=f"model info: {exc}")) from exc
+        log.exception("model info for %s failed", model)
+        raise GenerationFailed(ErrorEvent(kind="engine", message="model info failed")) from exc
     return ResponseMeta(inputs=inputs, details=gen.details, return_full_text=gen.return_full_text,
                         prefill=gen.prefill, top_n_tokens=gen.top_n_tokens, seed=gen.seed,
                         eos_token_id=eos_token_id)

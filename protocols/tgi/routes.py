@@ -132,7 +132,7 @@ async def info(request: Request) -> dict:
     name, _ = _model(request)
     model = await request.app.state.registry.info(name)
     return {"model_id": name, "model_sha": None, "model_pipeline_tag": "text-generation",
-            "max_concurrent_requests": request.app.state.config.max_ongoing_requests,
+            "max_concurrent_requests": request.app.state.config.max_concurrent_requests,
             "max_best_of": TGI.max_best_of, "max_stop_sequences": TGI.max_stop_sequences,
             "max_input_tokens": model.max_model_len - 1, "max_total_tokens": model.max_model_len,
             "max_top_n_tokens": TGI.max_top_n_tokens, "router": "llm-gateway",
