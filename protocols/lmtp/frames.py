@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["FrameError", "format_frame", "parse_frame"]
+__all__ = ["FrameError", "format_frame", "parse_frame", "salvage_stream_id"]
 
 
 class FrameError(ValueError):
@@ -25,13 +25,13 @@ def parse_frame(text: str) -> tuple[str, dict[str, Any]]:
         payload = json.loads(body)
     except (ValueError, RecursionError) as exc:  # bad JSON, huge ints, absurd nesting
         raise FrameError(f"malformed JSON in {command} frame: {exc}",
-                         _salvage_stream_id(body)) from None
+                         salvage_stream_id(body)) from None
     if not isinstance(payload, dict):
         raise FrameError(f"{command} payload must be a JSON object")
     return command, payload
 
 
-def _salvage_stream_id(body: str) -> Any:
+def salvage_stream_id(body: str) -> Any:
     # A truncated or broken frame often still names its stream: answer on it so the client's
     # iterator for that stream ends instead of hanging.
     marker = '"stream_id"'

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
 
-from protocols.lmtp.session import LMTPSession
+from protocols.lmtp.session import LMTPLimits, LMTPSession
 
 __all__ = ["router"]
 
@@ -18,5 +18,9 @@ router = APIRouter()
 @router.websocket("/")
 @router.websocket("/lmtp")
 async def lmtp(websocket: WebSocket) -> None:
-    registry = websocket.app.state.registry
-    await LMTPSession(websocket, registry.resolve, registry.info).run()
+    registry, config = websocket.app.state.registry, websocket.app.state.config
+    limits = LMTPLimits(max_streams=config.lmtp_max_streams,
+                        max_frame_bytes=config.lmtp_max_frame_bytes,
+                        outbox_items=config.lmtp_outbox_items,
+                        idle_timeout_s=config.lmtp_idle_timeout_s)
+    await LMTPSession(websocket, registry.resolve, registry.info, limits).run()

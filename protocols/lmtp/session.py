@@ -4,6 +4,12 @@ Stream ids are scoped to the connection (two clients may both use ``1``). Each G
 runs as its own task; a single writer drains everything queued into as few frames as possible
 (items of different streams may share a frame; order within a stream is kept). Closing the
 connection cancels every task, which aborts the engine requests.
+
+Every buffer has a bound (:class:`LMTPLimits`): concurrent streams (the excess is refused with a
+TOKEN error on that stream), frame size (an error on the frame's stream, the connection stays
+open), and the outbox — a client that reads slowly stalls its streams, and then the reading of
+its frames, instead of growing the replica's memory. A connection with no stream and no frame
+for ``idle_timeout_s`` is closed. Errors carry no exception text: details go to the log.
 """
 
 from __future__ import annotations
@@ -13,20 +19,23 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
+import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from protocols.internal import EngineClient
+from protocols.internal import EngineClient, EngineUnavailable
 from protocols.lmtp.encode import generate_items, score_items
-from protocols.lmtp.frames import FrameError, format_frame, parse_frame
+from protocols.lmtp.frames import FrameError, format_frame, parse_frame, salvage_stream_id
 from protocols.lmtp.translate import LMTPError, generate_request, score_request
 
-__all__ = ["LMTPSession"]
+__all__ = ["LMTPLimits", "LMTPSession"]
 
 log = logging.getLogger(__name__)
 
 _MAX_ITEMS_PER_FRAME = 512  # keeps frames far below the 4 MiB clients accept
+_SALVAGE_CHARS = 65536  # how much of an oversize frame is searched for its stream id
 Resolver = Callable[[str | None], tuple[str, EngineClient]]
 ModelInfoFn = Callable[[str], Any]
 
@@ -35,12 +44,22 @@ def _valid_stream_id(value: Any) -> bool:
     return isinstance(value, (int, str)) and not isinstance(value, bool)
 
 
+class LMTPLimits(msgspec.Struct, frozen=True, kw_only=True):
+    max_streams: int = 128
+    max_frame_bytes: int = 4 * 1024 * 1024
+    outbox_items: int = 4096
+    idle_timeout_s: float | None = 900.0
+
+
 class LMTPSession:
-    def __init__(self, websocket: WebSocket, resolve: Resolver, model_info: ModelInfoFn):
+    def __init__(self, websocket: WebSocket, resolve: Resolver, model_info: ModelInfoFn,
+                 limits: LMTPLimits | None = None):
         self.websocket = websocket
         self.resolve = resolve
         self.model_info = model_info
-        self.outbox: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self.limits = limits or LMTPLimits()
+        self.outbox: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(
+            self.limits.outbox_items)
         self.streams: dict[Any, asyncio.Task] = {}
         self.connection_id = uuid.uuid4().hex[:12]
 
@@ -49,16 +68,22 @@ class LMTPSession:
         writer = asyncio.create_task(self._write_loop())
         try:
             while True:
-                message = await self.websocket.receive()
+                idle = None if self.streams else self.limits.idle_timeout_s
+                try:
+                    async with asyncio.timeout(idle):
+                        message = await self.websocket.receive()
+                except TimeoutError:
+                    await self.websocket.close(1001, "idle")
+                    break
                 if message["type"] == "websocket.disconnect":
                     break
                 text = message.get("text")
                 if text is not None:  # binary frames are not part of LMTP; ignore them
                     try:
-                        self._dispatch(text)
-                    except Exception as exc:  # one bad frame must not end the connection
-                        log.exception("LMTP frame handling failed")
-                        self._send("MSG", {"stream_id": None, "error": f"internal error: {exc}"})
+                        await self._dispatch(text)
+                    except Exception:  # one bad frame must not end the connection
+                        log.exception("LMTP frame handling failed on %s", self.connection_id)
+                        await self._send("MSG", {"stream_id": None, "error": "internal error"})
         except WebSocketDisconnect:
             pass
         finally:
@@ -71,36 +96,50 @@ class LMTPSession:
 
     # --- inbound ------------------------------------------------------------------------
 
-    def _send(self, kind: str, item: dict[str, Any]) -> None:
-        self.outbox.put_nowait((kind, item))
+    async def _send(self, kind: str, item: dict[str, Any]) -> None:
+        await self.outbox.put((kind, item))  # waits while the client is behind
 
-    def _dispatch(self, text: str) -> None:
+    async def _dispatch(self, text: str) -> None:
         try:
-            command, payload = parse_frame(text)
+            command, payload = parse_frame(self._within_limit(text))
         except FrameError as exc:
             if exc.stream_id is not None:
-                self._send("TOKEN", {"stream_id": exc.stream_id, "error": str(exc)})
+                await self._send("TOKEN", {"stream_id": exc.stream_id, "error": str(exc)})
             else:
-                self._send("MSG", {"stream_id": None, "error": str(exc)})
+                await self._send("MSG", {"stream_id": None, "error": str(exc)})
             return
         stream_id = payload.get("stream_id")
         if not _valid_stream_id(stream_id):
-            self._send("MSG", {"stream_id": None,
-                               "error": f"{command}: 'stream_id' must be an integer or string"})
+            await self._send("MSG", {"stream_id": None, "error":
+                                     f"{command}: 'stream_id' must be an integer or string"})
             return
         if command in ("GENERATE", "SCORE"):
-            self._start_stream(command, stream_id, payload)
+            await self._start_stream(command, stream_id, payload)
         elif command == "MODEL_INFO":
             task = asyncio.create_task(self._model_info(stream_id, payload))
             self.streams[("info", stream_id, id(task))] = task
             task.add_done_callback(lambda t: self.streams.pop(("info", stream_id, id(t)), None))
-        else:
-            self._send("MSG", {"stream_id": stream_id, "error": f"Unknown command: {command}"})
+        else:  # on TOKEN: LMQL listens for a stream's errors only there
+            await self._send("TOKEN", {"stream_id": stream_id,
+                                       "error": f"Unknown command: {command[:64]}"})
 
-    def _start_stream(self, command: str, stream_id: Any, payload: dict[str, Any]) -> None:
+    def _within_limit(self, text: str) -> str:
+        limit = self.limits.max_frame_bytes
+        # Characters are a lower bound of UTF-8 bytes: encode only when it could matter.
+        if len(text) > limit or (len(text) * 4 > limit and len(text.encode()) > limit):
+            body = text[:_SALVAGE_CHARS].partition(" ")[2]
+            raise FrameError(f"frame exceeds the limit of {limit} bytes", salvage_stream_id(body))
+        return text
+
+    async def _start_stream(self, command: str, stream_id: Any, payload: dict[str, Any]) -> None:
         if stream_id in self.streams:
-            self._send("TOKEN", {"stream_id": stream_id,
-                                 "error": f"stream_id {stream_id!r} is already in use"})
+            await self._send("TOKEN", {"stream_id": stream_id,
+                                       "error": f"stream_id {stream_id!r} is already in use"})
+            return
+        if len(self.streams) >= self.limits.max_streams:
+            await self._send("TOKEN", {"stream_id": stream_id, "error": (
+                f"too many concurrent streams on this connection (at most "
+                f"{self.limits.max_streams}); retry when one has finished")})
             return
         task = asyncio.create_task(self._stream(command, stream_id, payload))
         self.streams[stream_id] = task
@@ -108,18 +147,23 @@ class LMTPSession:
 
     async def _stream(self, command: str, stream_id: Any, payload: dict[str, Any]) -> None:
         try:
-            items = self._items(command, stream_id, payload)
-            async for item in items:
-                self._send("TOKEN", item)
-        except LMTPError as exc:
-            self._send("TOKEN", {"stream_id": stream_id, "error": str(exc)})
+            events, items = self._items(command, stream_id, payload)
+            # Closed now, not when collected: a closed connection aborts the engine request at
+            # once even while this stream waits for room in the outbox.
+            async with aclosing(events), aclosing(items):
+                async for item in items:
+                    await self._send("TOKEN", item)
+        except (LMTPError, EngineUnavailable) as exc:  # messages meant for the client
+            await self._send("TOKEN", {"stream_id": stream_id, "error": str(exc)})
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # never strand the client's iterator for this stream
-            log.exception("LMTP stream %r failed", stream_id)
-            self._send("TOKEN", {"stream_id": stream_id, "error": f"internal error: {exc}"})
+        except Exception:  # never strand the client's iterator for this stream
+            log.exception("LMTP stream %r on %s failed", stream_id, self.connection_id)
+            await self._send("TOKEN", {"stream_id": stream_id, "error": "internal error"})
 
-    def _items(self, command: str, stream_id: Any, payload: dict[str, Any]) -> AsyncIterator:
+    def _items(self, command: str, stream_id: Any,
+               payload: dict[str, Any]) -> tuple[AsyncIterator, AsyncIterator]:
+        """The engine's events and the LMTP items made of them."""
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise LMTPError("missing field 'model'")
@@ -130,10 +174,11 @@ class LMTPSession:
         payload = {**payload, "model": name}
         request_id = f"lmtp-{self.connection_id}-{stream_id}-{uuid.uuid4().hex[:8]}"
         if command == "GENERATE":
-            return generate_items(engine.generate(generate_request(payload, request_id)),
-                                  stream_id)
+            events = engine.generate(generate_request(payload, request_id))
+            return events, generate_items(events, stream_id)
         request, start, count = score_request(payload, request_id)
-        return score_items(engine.generate(request), stream_id, start, count)
+        events = engine.generate(request)
+        return events, score_items(events, stream_id, start, count)
 
     async def _model_info(self, stream_id: Any, payload: dict[str, Any]) -> None:
         try:
@@ -142,12 +187,15 @@ class LMTPSession:
             reply = {"model": name, "engine": info.engine, "root": info.root,
                      "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
                      "eos_token_id": info.eos_token_id}
-            self._send("MSG", {"stream_id": stream_id, "model_info": reply})
+            await self._send("MSG", {"stream_id": stream_id, "model_info": reply})
         except LookupError:
-            self._send("MSG", {"stream_id": stream_id,
-                               "error": f"model '{payload.get('model')}' is not served here"})
-        except Exception as exc:
-            self._send("MSG", {"stream_id": stream_id, "error": f"model info failed: {exc}"})
+            await self._send("MSG", {"stream_id": stream_id,
+                                     "error": f"model '{payload.get('model')}' is not served here"})
+        except EngineUnavailable as exc:
+            await self._send("MSG", {"stream_id": stream_id, "error": str(exc)})
+        except Exception:
+            log.exception("LMTP model info on %s failed", self.connection_id)
+            await self._send("MSG", {"stream_id": stream_id, "error": "model info failed"})
 
     # --- outbound -----------------------------------------------------------------------
 
