@@ -9,7 +9,6 @@ routers and lets the protocol that owns a path render route-level errors in its 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Any
 
@@ -22,11 +21,13 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.config import GatewayConfig, load_config
-from gateway.limits import BodySizeLimit
+from gateway.keys import KeyAuth, MeteredEngine
+from gateway.limits import Admission, BodySizeLimit, route_path
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
 from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
+from protocols.internal import EngineUnavailable
 from protocols.spec import ProtocolSpec
 
 __all__ = ["GatewayIngress", "build_app", "create_app"]
@@ -56,35 +57,11 @@ class _ErrorShapes:
         return owner.route_error(status, message)
 
 
-class _BearerAuth:
-    """Pure ASGI middleware: ``Authorization: Bearer <key>`` on every route but the probes."""
-
-    def __init__(self, app, api_key: str, errors: _ErrorShapes, public: frozenset[str]):
-        self.app = app
-        self.key = api_key.encode()
-        self.errors = errors
-        self.public = public
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or scope["path"] in self.public:
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self._authorized(headers.get(b"authorization", b"")):
-            return await self.app(scope, receive, send)
-        if scope["type"] == "websocket":  # refuse the upgrade (HTTP 403)
-            return await send({"type": "websocket.close", "code": 1008})
-        response = self.errors.response(scope["path"], 401, "invalid or missing API key")
-        return await response(scope, receive, send)
-
-    def _authorized(self, header: bytes) -> bool:
-        # The scheme is case-insensitive (RFC 9110 §11.1: clients send "bearer" too); the key is
-        # compared in constant time, so response timing does not leak how much of it matched.
-        scheme, _, credentials = header.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.key)
-
-
 def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> FastAPI:
     config = config or GatewayConfig()
+    keys = config.keys()
+    if any(k.tokens_per_min for k in keys):
+        registry = registry.with_engines(MeteredEngine)
     specs = [load_spec(name) for name in config.protocols]
     errors = _ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
@@ -92,27 +69,33 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     app.state.config = config
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(MetricsMiddleware)
-    if config.api_key:
-        public = _PUBLIC_PATHS.union(*(s.public_paths for s in specs))
-        app.add_middleware(_BearerAuth, api_key=config.api_key, errors=errors, public=public)
+    public = _PUBLIC_PATHS.union(*(s.public_paths for s in specs))
+    app.add_middleware(Admission, max_inflight=config.max_concurrent_requests,
+                       refuse=errors.response, exempt=public)
+    if keys:
+        app.add_middleware(KeyAuth, keys=keys, refuse=errors.response, public=public)
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_: Request, exc: ProtocolError) -> Response:
         return exc.response()
 
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(request: Request, exc: EngineUnavailable) -> Response:
+        return errors.response(route_path(request.scope), 503, str(exc))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         # Unknown route, wrong method, body too large.
-        return errors.response(request.url.path, exc.status_code, str(exc.detail))
+        return errors.response(route_path(request.scope), exc.status_code, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return errors.response(request.url.path, 400, str(exc.errors()))
+        return errors.response(route_path(request.scope), 400, str(exc.errors()))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return errors.response(request.url.path, 500, f"internal error: {type(exc).__name__}")
+        return errors.response(route_path(request.scope), 500, f"internal error: {type(exc).__name__}")
 
     @app.get("/health")
     async def health() -> Response:
@@ -158,8 +141,13 @@ class GatewayIngress:
     def __init__(self, engines: dict[str, DeploymentHandle], config: GatewayConfig):
         from gateway.engine_client import ServeEngineClient
 
-        self._registry = ModelRegistry({n: ServeEngineClient(h) for n, h in engines.items()},
-                                       config.aliases)
+        models = {m.name: m for m in config.models}
+        clients = {n: ServeEngineClient(h, n, request_timeout_s=config.request_timeout_s,
+                                        stall_timeout_s=config.engine_stall_timeout_s,
+                                        max_pending=models[n].pending_limit())
+                   for n, h in engines.items()}
+        self._registry = ModelRegistry(clients, config.aliases,
+                                       expose_paths=config.expose_model_paths)
         self._config = config
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -175,7 +163,9 @@ def build_app(args: dict[str, Any] | GatewayConfig | None = None) -> serve.Appli
         model.name: EngineDeployment.options(
             name=f"engine-{model.name}",
             num_replicas=model.num_replicas,
-            max_ongoing_requests=model.max_ongoing_requests,
+            max_ongoing_requests=model.ongoing_limit(),
+            max_queued_requests=model.queue_limit(),
+            health_check_period_s=model.health_check_period_s,
             ray_actor_options={"num_cpus": model.num_cpus, "num_gpus": model.num_gpus},
         ).bind(model)
         for model in config.models

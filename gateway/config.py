@@ -7,6 +7,7 @@ from typing import Any, Literal
 import msgspec
 
 from engines.config import ModelConfig
+from gateway.keys import ApiKey
 from protocols.catalog import PROTOCOLS
 
 __all__ = ["GatewayConfig", "load_config"]
@@ -15,16 +16,43 @@ __all__ = ["GatewayConfig", "load_config"]
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``models``: what to serve (default: the embedded SmolLM2). ``protocols``: which protocol
     packages to mount, in this order (``protocols.catalog``; default: all). ``api_key``: when
-    set, every protocol route requires ``Authorization: Bearer <api_key>``. ``ingress_num_cpus``
+    set, every protocol route requires ``Authorization: Bearer <api_key>`` (``api_keys``: several,
+with rate limits). ``ingress_num_cpus``
     and ``ingress_replicas`` size the FastAPI ingress. The protocol options are documented where
     they are declared."""
 
     models: list[ModelConfig] = msgspec.field(default_factory=lambda: [ModelConfig()])
     protocols: list[str] = msgspec.field(default_factory=lambda: list(PROTOCOLS))
     api_key: str | None = None
+    # Several keys, each with its own optional rate limits (gateway.keys.ApiKey); api_key, if
+    # set, is one more key without limits.
+    api_keys: list[ApiKey] = []
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
+    # Serve's limit per ingress replica; keep it above max_concurrent_requests so the gateway,
+    # not Serve's proxy (plain-text 503), answers the excess.
     max_ongoing_requests: int = 1024
+    # HTTP requests and websocket connections one ingress replica works on at once; more get a
+    # 503 with Retry-After in the protocol's shape before any work, so the replica's event loop
+    # (and Serve's health check of it) never drowns.
+    max_concurrent_requests: int = 512
+    # Default deadline of a generation whose protocol did not set one (MindIE's `timeout` etc.
+    # win); it ends with finish reason "abort"/"timeout". None: no default deadline.
+    request_timeout_s: float | None = 600.0
+    # A stream whose engine sends nothing for this long ends with an engine error (a replica
+    # that is alive but stuck). None: no watchdog.
+    engine_stall_timeout_s: float | None = 120.0
+    # Model listings show the model's source (a filesystem path) as `root` / `modelUrl` only
+    # when this is set; by default they show the model name.
+    expose_model_paths: bool = False
+    # LMTP bounds per websocket connection: concurrent streams, frame size (frames past Ray
+    # Serve's proxy limit of 16 MiB are closed by the proxy itself), and queued outgoing items
+    # (a slow reader stalls its streams instead of growing memory); idle connections (no
+    # stream, no frame) are closed after lmtp_idle_timeout_s.
+    lmtp_max_streams: int = 128
+    lmtp_max_frame_bytes: int = 4 * 1024 * 1024
+    lmtp_outbox_items: int = 4096
+    lmtp_idle_timeout_s: float | None = 900.0
     # Larger request bodies get a 413 in the protocol's shape (DJL's max_request_size default).
     max_request_bytes: int = 64 * 1024 * 1024
     # MindIE's fullTextEnabled: generate_stream events carry the cumulative text, not deltas.
@@ -42,10 +70,21 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tgi_model: str | None = None
 
     def __post_init__(self) -> None:
+        for field in ("max_concurrent_requests", "max_ongoing_requests", "lmtp_max_streams",
+                      "lmtp_max_frame_bytes", "lmtp_outbox_items"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        for field in ("request_timeout_s", "engine_stall_timeout_s", "lmtp_idle_timeout_s"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(f"{field} must be positive or null, got {value}")
         if self.max_fanout < 1:
             raise ValueError(f"max_fanout must be positive, got {self.max_fanout}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        secrets = [k.key for k in self.keys()]
+        if len(set(secrets)) != len(secrets):
+            raise ValueError("API keys must be distinct")
         names = [m.name for m in self.models]
         if not names:
             raise ValueError("at least one model must be configured")
@@ -60,6 +99,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError(f"aliases point at models that are not served: {dangling}")
         if self.tgi_model is not None and self.tgi_model not in {*names, *self.aliases}:
             raise ValueError(f"tgi_model {self.tgi_model!r} is not a served model or alias")
+
+
+    def keys(self) -> list[ApiKey]:
+        """Every accepted key (none: the gateway is open)."""
+        return [*self.api_keys, *([ApiKey(key=self.api_key)] if self.api_key else [])]
 
 
 def load_config(args: dict[str, Any] | GatewayConfig | None) -> GatewayConfig:

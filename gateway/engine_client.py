@@ -1,14 +1,41 @@
-"""The engine contract over a Ray Serve deployment handle (used inside the ingress)."""
+"""The engine contract over a Ray Serve deployment handle (used inside the ingress).
+
+Besides translating calls, this is where the gateway stays honest when a replica is not:
+
+- **No Ray detail reaches a client.** Ray's exceptions carry pids, IPs, actor ids and remote
+  tracebacks; they are logged here with the request id and replaced by a short message.
+- **Fast 503 while a model has no healthy replica.** A Serve handle queues a request until some
+  replica takes it, which after a replica death means until Serve has restarted it (minutes for
+  vLLM). After a replica failure, or a health check that went unanswered, new requests first
+  wait at most ``probe_timeout_s`` for a health check and are refused as ``unavailable`` if it
+  does not come back; one probe is shared by every request arriving meanwhile.
+- **A watchdog** ends a stream whose engine has sent nothing for ``stall_timeout_s`` (a replica
+  that is alive but stuck), and a **default deadline** applies to requests whose protocol did not
+  set one.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+import msgspec
+import ray
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
 from ray.serve.handle import DeploymentHandle
 
 from protocols.internal import (
     EngineStats,
+    EngineUnavailable,
     ErrorEvent,
     Event,
     GenerateRequest,
@@ -21,42 +48,248 @@ __all__ = ["ServeEngineClient"]
 
 log = logging.getLogger(__name__)
 
+# The replica is gone or not (yet) there: the model is unavailable, not the request wrong.
+_REPLICA_GONE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
+_MONITOR_INTERVAL_S = 2.0
+
 
 class ServeEngineClient:
     """:class:`protocols.internal.EngineClient` backed by an ``EngineDeployment`` handle."""
 
-    def __init__(self, handle: DeploymentHandle):
+    def __init__(self, handle: DeploymentHandle, model: str | None = None, *,
+                 request_timeout_s: float | None = None, stall_timeout_s: float | None = None,
+                 probe_timeout_s: float = 2.0, max_pending: int | None = None,
+                 monitor_interval_s: float | None = _MONITOR_INTERVAL_S):
         self._handle = handle
         self._streaming = handle.options(stream=True)
+        self.model = model or handle.deployment_name
+        self.request_timeout_s = request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        # Generations this ingress replica has in flight for the model, and the most it sends
+        # (what the replicas hold plus Serve's queue): the excess is refused here at once. Serve
+        # would refuse it too, but only after its router has spent seconds of a saturated
+        # event loop on each (2,240 refusals took 4.1 s each at the median under a 2,000-request
+        # burst).
+        self.max_pending = max_pending
+        self.pending = 0
+        self.monitor_interval_s = monitor_interval_s
+        self._suspect = False  # a replica failed or a probe went unanswered
+        self._probe: asyncio.Future[bool] | None = None
+        self._probe_done_at = 0.0
+        self._monitor: asyncio.Task | None = None
+        self._suspect_event: asyncio.Event | None = None
+        self._running: int | None = None  # replicas Serve last reported running (monitor)
+
+    # --- availability ---------------------------------------------------------------------
+
+    def _no_replica(self) -> EngineUnavailable:
+        return EngineUnavailable(self.model, "no healthy engine replica")
+
+    def _mark_suspect(self) -> None:
+        self._suspect = True
+        self._suspected().set()  # wakes requests still waiting for a replica (_assigned)
+
+    def _suspected(self) -> asyncio.Event:
+        if self._suspect_event is None:  # made on the ingress's loop, at first use
+            self._suspect_event = asyncio.Event()
+        return self._suspect_event
+
+    async def available(self) -> bool:
+        """Whether new requests should be sent (cheap unless a replica failed recently)."""
+        self._ensure_monitor()
+        if not self._suspect:
+            return True
+        recent = time.monotonic() - self._probe_done_at < self.probe_timeout_s
+        if self._probe is None or (self._probe.done() and not recent):
+            self._probe = asyncio.ensure_future(self._probe_once())
+        return await asyncio.shield(self._probe)
+
+    async def _probe_once(self) -> bool:
+        try:
+            await asyncio.wait_for(self._handle.check_health.remote(), self.probe_timeout_s)
+        except BackPressureError:  # the queue in front of live replicas is full: busy, not gone
+            pass
+        except Exception:  # dead, restarting, or too busy to answer: all mean "not now"
+            self._mark_suspect()
+            return False
+        finally:
+            self._probe_done_at = time.monotonic()
+        self._suspect = False
+        self._suspected().clear()
+        return True
+
+    def _ensure_monitor(self) -> None:
+        # A replica that dies while idle is noticed here rather than by the next request, which
+        # would otherwise queue in Serve's router until the replacement is up.
+        if self.monitor_interval_s is not None and (self._monitor is None or self._monitor.done()):
+            self._monitor = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        # Serve's controller, not the replica, is asked: a health call to the replica would
+        # queue behind its ongoing requests under load and read as a failure.
+        while True:
+            await asyncio.sleep(self.monitor_interval_s)
+            try:
+                running = await asyncio.to_thread(self._running_replicas)
+            except Exception as exc:  # the controller is busy or restarting: no news
+                log.debug("serve status for %s failed: %r", self.model, exc)
+                continue
+            self._running = running
+            if running == 0:
+                self._mark_suspect()
+
+    def _running_replicas(self) -> int:
+        if not ray.is_initialized():  # serve.status() would start a local Ray instance
+            raise RuntimeError("Ray is not initialized here")
+        status = serve.status().applications[self._handle.app_name]
+        deployment = status.deployments[self._handle.deployment_name]
+        return deployment.replica_states.get("RUNNING", 0)  # a str enum
+
+    # --- the contract ---------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        response = self._streaming.generate.remote(request)
-        finished = False
+        if self.max_pending is not None and self.pending >= self.max_pending:
+            yield _full(self.model)
+            return
+        if not await self.available():
+            yield self._no_replica().event()
+            return
+        self.pending += 1
         try:
-            async for blob in response:
-                for event in decode_events(blob):
-                    yield event
-            finished = True
-        except Exception as exc:  # replica died, backpressure, ...: end the stream cleanly
-            log.warning("engine call for %s failed: %s", request.request_id, exc)
-            kind = "overloaded" if "BackPressure" in type(exc).__name__ else "engine"
-            yield ErrorEvent(kind=kind, message=f"engine unavailable: {type(exc).__name__}")
-            finished = True
+            async for event in self._generate(request):
+                yield event
         finally:
-            if not finished:  # client went away: cancelling the call aborts the engine request
-                response.cancel()
+            self.pending -= 1
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if request.timeout_s is None and self.request_timeout_s is not None:
+            request = msgspec.structs.replace(request, timeout_s=self.request_timeout_s)
+        # A replica that died before sending anything is retried once: nothing reached the
+        # client, and Serve's router, having seen the death, picks another replica (with two
+        # replicas a killed one costs no failed new request).
+        for attempt in (0, 1):
+            response = self._streaming.generate.remote(request)
+            received = finished = False
+            try:
+                if not await self._assigned(response):
+                    yield self._no_replica().event()
+                    return
+                stream = aiter(response)
+                while True:
+                    try:
+                        async with asyncio.timeout(self.stall_timeout_s):
+                            blob = await anext(stream)
+                    except StopAsyncIteration:
+                        break
+                    received = True
+                    for event in decode_events(blob):
+                        yield event
+                finished = True
+                return
+            except TimeoutError:
+                log.error("engine for %s sent nothing for %.0f s; ending %s", self.model,
+                          self.stall_timeout_s, request.request_id)
+                self._mark_suspect()
+                yield ErrorEvent(kind="engine", message=(
+                    f"the engine stopped responding (nothing for {self.stall_timeout_s:g} s)"))
+                return
+            except Exception as exc:  # replica died, queue full, ...: end the stream cleanly
+                finished = True
+                if attempt == 0 and not received and isinstance(exc, _REPLICA_GONE):
+                    log.warning("engine replica for %s gone before %s started (%r)",
+                                self.model, request.request_id, exc)
+                    # Retry only where a health check says a replica is there; otherwise the
+                    # retry would wait in Serve's router for as long as the restart takes.
+                    self._mark_suspect()
+                    if await self.available():
+                        continue
+                    yield self._no_replica().event()
+                    return
+                yield self._failure(request.request_id, exc)
+                return
+            finally:
+                if not finished:  # client went away or stalled: cancelling aborts the request
+                    response.cancel()
+
+    async def _assigned(self, response) -> bool:
+        """Wait until Serve's router has handed the request to a replica; False (the request
+        withdrawn) if, meanwhile, the model turns out to have no healthy replica. Waiting for
+        assignment is legitimate under load (the queue max_queued_requests bounds), but not
+        while the router has no replica at all: it would wait for the whole restart."""
+        fetch = getattr(response, "_fetch_future_result_async", None)  # Serve's, not public
+        if fetch is None:
+            return True
+        assignment = asyncio.ensure_future(fetch())
+        while True:
+            suspected = asyncio.ensure_future(self._suspected().wait())
+            try:
+                await asyncio.wait({assignment, suspected}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                suspected.cancel()
+            if assignment.done():
+                assignment.result()  # a routing failure raises here, as iteration would
+                return True
+            if not await self.available():
+                assignment.cancel()
+                return False
+
+    def _failure(self, request_id: str, exc: Exception) -> ErrorEvent:
+        if isinstance(exc, BackPressureError):
+            return _full(self.model)
+        log.warning("engine call %s for %s failed: %r", request_id, self.model, exc)
+        if isinstance(exc, _REPLICA_GONE):
+            self._mark_suspect()
+            return EngineUnavailable(self.model, "the engine replica failed").event()
+        return ErrorEvent(kind="engine", message=f"engine call failed (request {request_id})")
+
+    async def _call(self, what: str, method: str, *args: object) -> Any:
+        if not await self.available():
+            raise self._no_replica()
+        try:
+            return await getattr(self._handle, method).remote(*args)
+        except BackPressureError:
+            if method == "check_health":  # refused by a full queue: busy, not unhealthy
+                return None
+            raise EngineUnavailable(self.model, f"{what} refused: the model is busy") from None
+        except Exception as exc:
+            log.warning("%s on %s failed: %r", what, self.model, exc)
+            if isinstance(exc, _REPLICA_GONE):
+                self._mark_suspect()
+            raise EngineUnavailable(self.model, f"{what} failed") from None
 
     async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
-        return await self._handle.tokenize.remote(prompt)
+        return await self._call("tokenize", "tokenize", prompt)
 
     async def detokenize(self, token_ids: tuple[int, ...]) -> str:
-        return await self._handle.detokenize.remote(token_ids)
+        return await self._call("detokenize", "detokenize", token_ids)
+
+    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        return await self._call("detokenize", "detokenize_each", token_ids)
 
     async def model_info(self) -> ModelInfo:
-        return await self._handle.model_info.remote()
+        return await self._call("model info", "model_info")
 
     async def check_health(self) -> None:
-        await self._handle.check_health.remote()
+        """Healthy while Serve has a running replica that passes its own health checks.
+
+        Asked of Serve's controller, which health-checks each replica outside the request
+        queue: a health call through the handle would wait behind a busy model's queue, or be
+        refused by it, and a probe would pull the gateway exactly when it is saturated.
+        The monitor's last reading is used (at most ``monitor_interval_s`` old), so probes cost
+        no call of their own.
+        """
+        if not await self.available():  # also starts the monitor
+            raise self._no_replica()
+        if self._running is None:  # no reading yet, or no Serve controller (in-process app)
+            await self._call("health check", "check_health")
+        elif self._running == 0:
+            raise self._no_replica()
 
     async def stats(self) -> EngineStats:
-        return await self._handle.stats.remote()
+        return await self._call("stats", "stats")
+
+
+def _full(model: str) -> ErrorEvent:
+    return ErrorEvent(kind="overloaded",
+                      message=f"model `{model}` has too many requests queued; retry later")

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from starlette.exceptions import HTTPException
 
-__all__ = ["BodySizeLimit"]
+__all__ = ["Admission", "BodySizeLimit", "route_path"]
+
+
+def route_path(scope) -> str:
+    """The path the app routes on: under a Serve route prefix (``/pipeline``), Starlette's
+    ``scope["path"]`` still carries the prefix, which ``root_path`` names."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root):] or "/"
+    return path
 
 
 class BodySizeLimit:
@@ -45,3 +54,52 @@ class BodySizeLimit:
 
     def _error(self) -> HTTPException:
         return HTTPException(413, f"Request body exceeds the limit of {self.max_bytes} bytes.")
+
+
+class Admission:
+    """Pure ASGI middleware: at most ``max_inflight`` HTTP requests and websocket connections
+    at once (probes exempt); the excess gets a 503 in the protocol's shape at once, or a
+    websocket close with 1013 ("try again later").
+
+    It also adds ``Retry-After`` to every 429/503 that lacks one, whoever produced it (this
+    limit, a full engine queue, a model without a healthy replica).
+    """
+
+    def __init__(self, app, max_inflight: int, refuse, exempt: frozenset[str],
+                 retry_after_s: int = 1):
+        self.app = app
+        self.max_inflight = max_inflight
+        self.refuse = refuse  # (path, status, message) -> ASGI response
+        self.exempt = exempt
+        self.retry_after = str(retry_after_s).encode()
+        self.inflight = 0
+
+    async def __call__(self, scope, receive, send):
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = route_path(scope)
+        if path in self.exempt:
+            return await self.app(scope, receive, send)
+        if self.inflight >= self.max_inflight:
+            if kind == "websocket":
+                return await send({"type": "websocket.close", "code": 1013})
+            message = f"the gateway is at capacity ({self.max_inflight} requests); retry later"
+            response = self.refuse(path, 503, message)
+            return await response(scope, receive, self._with_retry_after(send))
+        self.inflight += 1
+        try:
+            await self.app(scope, receive, self._with_retry_after(send))
+        finally:
+            self.inflight -= 1
+
+    def _with_retry_after(self, send):
+        async def wrapped(message):
+            if message["type"] == "http.response.start" and message["status"] in (429, 503):
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"retry-after" for k, _ in headers):
+                    headers.append((b"retry-after", self.retry_after))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        return wrapped

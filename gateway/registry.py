@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+
+import msgspec
 
 from protocols.internal import EngineClient, ModelInfo, ModelNotFound, ModelRequired
 
@@ -17,14 +20,21 @@ class ModelRegistry:
     SGLang's Triton benchmark asking for ``ensemble``); they resolve but are not listed.
     """
 
-    def __init__(self, engines: dict[str, EngineClient], aliases: dict[str, str] | None = None):
+    def __init__(self, engines: dict[str, EngineClient], aliases: dict[str, str] | None = None,
+                 *, expose_paths: bool = False):
         self._engines = dict(engines)
+        self._expose_paths = expose_paths
         self._aliases = dict(aliases or {})
         unknown = sorted(set(self._aliases.values()) - set(self._engines))
         if unknown:
             raise ValueError(f"aliases point at models that are not served: {unknown}")
         self._info: dict[str, ModelInfo] = {}
         self._info_lock = asyncio.Lock()
+
+    def with_engines(self, wrap: Callable[[EngineClient], EngineClient]) -> ModelRegistry:
+        """The same models and aliases, each engine wrapped (e.g. metered per API key)."""
+        return ModelRegistry({n: wrap(e) for n, e in self._engines.items()}, self._aliases,
+                             expose_paths=self._expose_paths)
 
     def names(self) -> list[str]:
         return list(self._engines)
@@ -57,5 +67,8 @@ class ModelRegistry:
         if name not in self._info:
             async with self._info_lock:
                 if name not in self._info:
-                    self._info[name] = await self._engines[name].model_info()
+                    info = await self._engines[name].model_info()
+                    if not self._expose_paths:
+                        info = msgspec.structs.replace(info, root=name)
+                    self._info[name] = info
         return self._info[name]
