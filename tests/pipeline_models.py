@@ -9,7 +9,7 @@ from pathlib import Path
 
 VOCAB = 49152
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "generation_config.json")
+                    "generation_config.json", "chat_template.jinja")
 
 
 def _config(kind: str):

@@ -13,8 +13,12 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def model_dir(gateway_url) -> str:
-    return httpx.get(f"{gateway_url}/v1/models/{MODEL}").json()["root"]
+def model_dir() -> str:
+    from engines.embedded import local_model_dir
+
+    path = local_model_dir(f"embedded:{MODEL}")  # the session gateway has prepared it
+    assert path is not None
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -186,7 +186,8 @@ async def test_unknown_command_and_malformed_frames_keep_other_streams(gateway_u
         await ws.send("NOSPACE")
         await ws.send('GENERATE {"stream_id": 3, "prompt": [1,')
         out = await _collect(ws, [1, 2, None, 3])
-    assert out[2] == [("MSG", {"stream_id": 2, "error": "Unknown command: FOO"})]
+    # On TOKEN: LMQL reads a stream's errors only there (issue 15's finding).
+    assert out[2] == [("TOKEN", {"stream_id": 2, "error": "Unknown command: FOO"})]
     assert out[None][0][0] == "MSG" and "malformed" in out[None][0][1]["error"]
     assert out[3][0][0] == "TOKEN" and "JSON" in out[3][0][1]["error"]
     assert len(out[1]) == 20 and out[1][-1][1]["finish_reason"] == "length"

@@ -120,7 +120,8 @@ def test_unknown_command_and_malformed_frames(app_client):
     with app_client.websocket_connect("/") as ws:
         _send(ws, "FOO", {"stream_id": 3})
         [(kind, item)] = _items(ws, 3)
-        assert kind == "MSG" and item["error"] == "Unknown command: FOO"
+        # TOKEN, not MSG: LMQL reads a stream's errors only from TOKEN items.
+        assert kind == "TOKEN" and item["error"] == "Unknown command: FOO"
         ws.send_text("GARBAGE")
         [(kind, item)] = _items(ws, None)
         assert kind == "MSG" and "malformed" in item["error"]

@@ -109,7 +109,8 @@ async def test_unexpected_failures_are_500s_or_engine_errors_in_shape(path, body
     if expected is not None:
         assert r.status_code == 500 and r.json() == expected
     else:  # the protocol turned the failure into its own engine error first
-        assert r.status_code == 424 and "tokenize: boom" in r.text
+        # ... and without the exception's text, which may carry addresses and traces.
+        assert r.status_code == 424 and "tokenize failed" in r.text and "boom" not in r.text
 
 
 async def test_engine_kind_is_reported_where_protocols_name_the_backend():

@@ -1,0 +1,235 @@
+"""The ingress's engine client over a stand-in Serve handle: what a client sees when the replica
+is full, dead, restarting or stuck, and that Ray's exception text never reaches it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from ray.exceptions import ActorDiedError
+from ray.serve.exceptions import BackPressureError
+
+from gateway.engine_client import ServeEngineClient
+from protocols.internal import (
+    EngineUnavailable,
+    ErrorEvent,
+    FinalEvent,
+    GenerateRequest,
+    TextPrompt,
+    TokenEvent,
+    Usage,
+    encode_events,
+)
+
+SECRET = "Traceback ... pid=4242 ip=10.0.0.7 actor_id=abc123"
+
+
+class _Died(ActorDiedError):
+    """Ray's error as it arrives: its text names processes, addresses and actors."""
+
+    def __str__(self) -> str:
+        return SECRET
+
+
+TOKEN = TokenEvent(index=0, token_id=7, text="x")
+FINAL = FinalEvent(index=0, finish_reason="length", usage=Usage(prompt_tokens=1,
+                                                                 completion_tokens=1))
+
+
+class _Response:
+    def __init__(self, blobs, error=None, hang=False):
+        self.blobs, self.error, self.hang = list(blobs), error, hang
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.blobs:
+            return self.blobs.pop(0)
+        if self.error is not None:
+            raise self.error
+        if self.hang:
+            await asyncio.Event().wait()
+        raise StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class _Handle:
+    """What ServeEngineClient uses of a DeploymentHandle."""
+
+    deployment_name = "engine-m"
+    app_name = "default"
+
+    def __init__(self):
+        self.responses: list[_Response] = []
+        self.sent: list[GenerateRequest] = []
+        self.health: str = "ok"  # ok | hang | fail
+        self.health_calls = 0
+        self.generate = _Method(self._generate)
+        self.check_health = _Method(self._check_health)
+        self.model_info = _Method(self._model_info)
+
+    def options(self, stream=False):
+        return self
+
+    def _generate(self, request):
+        self.sent.append(request)
+        return self.responses.pop(0)
+
+    async def _check_health(self):
+        self.health_calls += 1
+        if self.health == "hang":
+            await asyncio.Event().wait()
+        if self.health == "fail":
+            raise _Died()
+
+    async def _model_info(self):
+        raise RuntimeError(SECRET)
+
+
+def _request(timeout_s=None):
+    return GenerateRequest(request_id="r1", model="m", prompt=TextPrompt(text="hi"),
+                           timeout_s=timeout_s)
+
+
+def _client(handle, **kwargs):
+    kwargs.setdefault("probe_timeout_s", 0.2)
+    return ServeEngineClient(handle, "m", monitor_interval_s=None, **kwargs)
+
+
+async def _events(client, request=None):
+    return [e async for e in client.generate(request or _request())]
+
+
+async def test_a_full_queue_is_overloaded_without_ray_text():
+    handle = _Handle()
+    handle.responses.append(_Response([], error=BackPressureError(num_queued_requests=3,
+                                                                  max_queued_requests=3)))
+    [event] = await _events(_client(handle))
+    assert event.kind == "overloaded" and "retry later" in event.message
+    assert "BackPressure" not in event.message and "3" not in event.message
+
+
+async def test_a_dead_replica_makes_new_requests_fail_fast_until_it_is_back():
+    handle = _Handle()
+    handle.responses.append(_Response([encode_events([TOKEN])], error=_Died()))
+    client = _client(handle)
+    events = await _events(client)  # the in-flight stream ends with an error, not silently
+    assert events[0] == TOKEN and events[-1].kind == "unavailable"
+    assert SECRET not in events[-1].message and "pid" not in events[-1].message
+
+    handle.health = "hang"  # Serve is restarting it: a health call would just queue
+    started = time.monotonic()
+    [event] = await _events(client)
+    assert event.kind == "unavailable" and time.monotonic() - started < 1.0
+    calls = handle.health_calls
+    for _ in range(20):  # requests arriving meanwhile share the failed probe: instant refusals
+        [event] = await _events(client)
+        assert event.kind == "unavailable"
+    assert handle.health_calls == calls and len(handle.sent) == 1  # nothing sent to the engine
+
+    handle.health = "ok"
+    await asyncio.sleep(0.25)  # past the probe window: the next request probes again
+    handle.responses.append(_Response([encode_events([TOKEN, FINAL])]))
+    assert await _events(client) == [TOKEN, FINAL]
+    handle.responses.append(_Response([encode_events([TOKEN, FINAL])]))
+    calls = handle.health_calls
+    assert await _events(client) == [TOKEN, FINAL]
+    assert handle.health_calls == calls  # healthy again: no probe per request
+
+
+async def test_a_stuck_replica_ends_the_stream_and_aborts_the_call():
+    handle = _Handle()
+    response = _Response([encode_events([TOKEN])], hang=True)
+    handle.responses.append(response)
+    events = await _events(_client(handle, stall_timeout_s=0.2))
+    assert events[0] == TOKEN and isinstance(events[-1], ErrorEvent)
+    assert events[-1].kind == "engine" and "stopped responding" in events[-1].message
+    assert response.cancelled
+
+
+async def test_the_default_deadline_applies_only_where_the_protocol_set_none():
+    handle = _Handle()
+    client = _client(handle, request_timeout_s=30.0)
+    for timeout in (None, 5.0):
+        handle.responses.append(_Response([encode_events([FINAL])]))
+        await _events(client, _request(timeout))
+    assert [r.timeout_s for r in handle.sent] == [30.0, 5.0]
+
+
+async def test_other_calls_fail_as_unavailable_without_the_exception_text():
+    client = _client(_Handle())
+    with pytest.raises(EngineUnavailable) as caught:
+        await client.model_info()
+    assert SECRET not in str(caught.value) and "model info failed" in str(caught.value)
+
+
+async def test_a_replica_that_died_before_streaming_is_retried_once():
+    handle = _Handle()
+    handle.responses += [_Response([], error=_Died()), _Response([encode_events([TOKEN, FINAL])])]
+    client = _client(handle)
+    assert await _events(client) == [TOKEN, FINAL]  # the second replica answered
+    assert [r.request_id for r in handle.sent] == ["r1", "r1"]
+    handle.responses += [_Response([], error=_Died()), _Response([], error=_Died())]
+    [event] = await _events(client)  # both gone: one retry only, then unavailable
+    assert event.kind == "unavailable" and len(handle.sent) == 4
+
+
+class _Unrouted(_Response):
+    """A request Serve's router holds because no replica is there to take it."""
+
+    async def _fetch_future_result_async(self):
+        await asyncio.Event().wait()
+
+
+async def test_a_request_waiting_for_a_replica_is_withdrawn_when_none_is_healthy():
+    handle = _Handle()
+    handle.health = "hang"
+    response = _Unrouted([])
+    handle.responses.append(response)
+    client = _client(handle)
+    asyncio.get_running_loop().call_later(0.1, client._mark_suspect)  # as the monitor does
+    started = time.monotonic()
+    [event] = await _events(client)
+    assert event.kind == "unavailable" and time.monotonic() - started < 1.0
+    assert response.cancelled
+
+
+async def test_a_busy_model_is_healthy():
+    """A full queue refuses the health call too (Serve's back-pressure): busy, not gone."""
+    handle = _Handle()
+
+    async def full():
+        raise BackPressureError(num_queued_requests=8, max_queued_requests=8)
+
+    handle.check_health = _Method(full)
+    client = _client(handle)
+    await client.check_health()  # no Serve controller here: the handle answers
+    client._mark_suspect()
+    assert await client.available()
+
+
+async def test_past_its_pending_bound_a_model_refuses_without_calling_serve():
+    handle = _Handle()
+    handle.responses.append(_Response([encode_events([TOKEN])], hang=True))
+    client = _client(handle, max_pending=1)
+    first = client.generate(_request())
+    assert await anext(first) == TOKEN  # one generation in flight
+    [event] = await _events(client)
+    assert event.kind == "overloaded" and len(handle.sent) == 1  # refused before Serve
+    await first.aclose()
+    assert client.pending == 0
+    handle.responses.append(_Response([encode_events([TOKEN, FINAL])]))
+    assert await _events(client) == [TOKEN, FINAL]
