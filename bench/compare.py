@@ -99,7 +99,8 @@ def _serve_gateway() -> subprocess.Popen:
     }
     path = Path(tempfile.mkdtemp()) / "bench_serve.json"
     path.write_text(json.dumps(config))
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gateway.proxy:middlewares",
+           **os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(["serve", "run", str(path)], cwd=ROOT, env=env,
                             start_new_session=True)
 

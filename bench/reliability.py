@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import psutil
 import websockets
@@ -135,6 +136,7 @@ class Gateway:
         from ray import serve
 
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "gateway.proxy:middlewares")
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0",
@@ -175,10 +177,10 @@ class Gateway:
 
 # --- processes and memory -------------------------------------------------------------------
 
-def _replica_processes(role: str) -> list[psutil.Process]:
+def _replica_processes(role: str, marker: str | None = None) -> list[psutil.Process]:
     """Top-level processes of this app's Serve replicas of ``role`` (Ray sets their title,
-    e.g. ``ray::ServeReplica:relbench:GatewayIngress``)."""
-    marker = f"ServeReplica:{APP}:{role}"
+    e.g. ``ray::ServeReplica:relbench:GatewayIngress``), or of another ``marker``."""
+    marker = marker or f"ServeReplica:{APP}:{role}"
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error, TypeError):
@@ -676,14 +678,63 @@ async def _watch_health(c: httpx.AsyncClient, stop: asyncio.Event, log: list) ->
             await asyncio.wait_for(stop.wait(), 0.25)
 
 
+async def _raw_request(session: aiohttp.ClientSession, body: dict, stream: bool) -> dict:
+    """One burst request with aiohttp: with 2,000 connections httpx's pool costs the client
+    most of a core, which on a 2-core box is taken from the servers under test."""
+    started = time.monotonic()
+    ttfb = None
+    try:
+        async with asyncio.timeout(CLIENT_TIMEOUT_S):
+            async with session.post("/v1/completions", json=body) as r:
+                chunks = []
+                async for chunk in r.content.iter_any():
+                    ttfb = ttfb or time.monotonic() - started
+                    chunks.append(chunk)
+                status, retry_after = r.status, r.headers.get("retry-after")
+        raw = b"".join(chunks)
+    except TimeoutError:
+        return {"status": "hang", "ttfb": ttfb}
+    except (aiohttp.ClientError, OSError) as exc:
+        return {"status": type(exc).__name__, "ttfb": ttfb}
+    row: dict[str, Any] = {"status": status, "ttfb": ttfb,
+                           "latency": time.monotonic() - started, "retry_after": retry_after}
+    if status == 200:
+        row["complete"] = raw.rstrip().endswith(b"data: [DONE]") if stream else b'"choices"' in raw
+    else:
+        try:
+            row["in_shape"] = "error" in json.loads(raw)  # OpenAI's envelope, not Serve's text
+        except ValueError:
+            row["in_shape"] = False
+            row["body"] = raw[:200].decode(errors="replace")
+    return row
+
+
+def _cpu_s(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def _serving_processes() -> dict[str, list[psutil.Process]]:
+    return {"client": [psutil.Process()], "proxy": _replica_processes("", "ray::ProxyActor"),
+            "ingress": _replica_processes("GatewayIngress"), "engine": engine_processes()}
+
+
 async def _burst(url: str, n: int, body: dict, stream: bool) -> dict:
-    async with _client(url, n + 8) as c, _client(url, 2) as h:
+    connector = aiohttp.TCPConnector(limit=n + 8)
+    async with aiohttp.ClientSession(url, connector=connector) as c, _client(url, 2) as h:
         await until_idle(h, 60)
         stop, health = asyncio.Event(), []
         watcher = asyncio.create_task(_watch_health(h, stop, health))
+        procs = _serving_processes()
+        cpu_before = {k: _cpu_s(v) for k, v in procs.items()}
         started = time.monotonic()
-        rows = await asyncio.gather(*(_timed_request(c, body, stream) for _ in range(n)))
+        rows = await asyncio.gather(*(_raw_request(c, body, stream) for _ in range(n)))
         elapsed = time.monotonic() - started
+        cpu = {k: round(_cpu_s(v) - cpu_before[k], 1) for k, v in procs.items()}
         stop.set()
         await watcher
         idle_s = await until_idle(h, 60)
@@ -709,6 +760,7 @@ async def _burst(url: str, n: int, body: dict, stream: bool) -> dict:
         "health_during": {"polls": len(health), "statuses": dict(Counter(str(s) for s, _ in health)),
                           "max_latency_s": _pct([t for _, t in health], 100)},
         "engine_idle_after_s": idle_s,
+        "cpu_s_during": cpu,
     }
 
 

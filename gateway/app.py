@@ -25,10 +25,10 @@ from gateway.keys import KeyAuth, MeteredEngine
 from gateway.limits import Admission, BodySizeLimit, route_path
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
+from gateway.shapes import ErrorShapes
 from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
 from protocols.internal import EngineUnavailable
-from protocols.spec import ProtocolSpec
 
 __all__ = ["GatewayIngress", "build_app", "create_app"]
 
@@ -41,29 +41,13 @@ _PUBLIC_PATHS = frozenset({"/health", "/version"})
 VERSION = "0.1.0"
 
 
-class _ErrorShapes:
-    """Route-level errors in the shape of the protocol that owns the path; paths no protocol
-    owns get the first enabled HTTP protocol's shape (FastAPI's ``{"detail"}`` when only
-    websocket protocols are enabled)."""
-
-    def __init__(self, specs: list[ProtocolSpec]):
-        self.owners = [s for s in specs if s.route_error is not None]
-
-    def response(self, path: str, status: int, message: str) -> Response:
-        if not self.owners:
-            return JSONResponse({"detail": message}, status_code=status)
-        owner = next((s for s in self.owners if s.owns(path)), self.owners[0])
-        assert owner.route_error is not None  # owners all have one
-        return owner.route_error(status, message)
-
-
 def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> FastAPI:
     config = config or GatewayConfig()
     keys = config.keys()
     if any(k.tokens_per_min for k in keys):
         registry = registry.with_engines(MeteredEngine)
     specs = [load_spec(name) for name in config.protocols]
-    errors = _ErrorShapes(specs)
+    errors = ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
     app.state.config = config

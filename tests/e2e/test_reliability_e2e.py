@@ -400,3 +400,57 @@ async def test_a_burst_of_non_streaming_requests_gets_no_bare_500(gateway_url):
         assert all(t.startswith("application/json") for _, t in results)
         assert statuses.count(200) >= 256
         assert (await c.get("/health")).status_code == 200
+
+
+# --- ingress death ------------------------------------------------------------------------
+
+async def _engine_idle(c: httpx.AsyncClient, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await c.get("/gateway/engines")).json()[MODEL]["active"]:
+        assert time.monotonic() < deadline, "engine requests were not released"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gateway_url):
+    """The ingress replica dies with requests in flight on four protocols: Serve's proxy has no
+    answer for them (before gateway.proxy, uvicorn's plain-text 500); each client gets a 503
+    in its own protocol's shape, the engine requests are released, and the gateway serves
+    again once Serve replaced the replica. Last in the module: it restarts the ingress."""
+    import ray
+
+    long = {"max_new_tokens": 400, "ignore_eos": True}  # ~20 s of vLLM decoding here
+    requests = {  # protocol → (path, body, check of the 503 body)
+        "openai": ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 400,
+                                       "ignore_eos": True},
+                   lambda j: j["error"]["code"] == 503 and "retry" in j["error"]["message"]),
+        "tgi": ("/generate", {"inputs": "Hi", "parameters": long},
+                lambda j: j["error_type"] == "generation" and "retry" in j["error"]),
+        "lmi": ("/invocations", {"inputs": "Hi", "parameters": long},
+                lambda j: j["code"] == 503),
+        "mindie": (f"/v2/models/{MODEL}/generate", {"text_input": "Hi", "parameters": long},
+                   lambda j: "retry" in j["error"]),
+    }
+    (ingress,) = [(a["name"], a["namespace"])
+                  for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::gateway#GatewayIngress#")]
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=120) as c:
+        await _engine_idle(c)
+        calls = {name: asyncio.ensure_future(c.post(path, json=body))
+                 for name, (path, body, _) in requests.items()}
+        deadline = time.monotonic() + 30
+        while (await c.get("/gateway/engines")).json()[MODEL]["active"] < len(requests):
+            done = {n: f.result().text for n, f in calls.items() if f.done()}
+            assert not done and time.monotonic() < deadline, ("not all in the engine", done)
+            await asyncio.sleep(0.1)
+        _kill(ingress)
+        answers = dict(zip(calls, await asyncio.wait_for(asyncio.gather(*calls.values()), 60),
+                           strict=True))
+    for name, r in answers.items():
+        assert r.status_code == 503, (name, r.status_code, r.text)
+        assert r.headers["content-type"].startswith("application/json"), (name, r.text)
+        assert requests[name][2](r.json()) and r.headers["retry-after"] == "1", (name, r.text)
+    _wait_healthy(gateway_url, "the gateway after its ingress was replaced")
+    async with httpx.AsyncClient(base_url=gateway_url, timeout=120) as c:
+        await _engine_idle(c)  # the dead ingress's engine requests were aborted, not leaked
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text

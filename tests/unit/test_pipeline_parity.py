@@ -97,7 +97,11 @@ async def test_logits_and_greedy_tokens_match_the_unsplit_model(model_dir, attn)
         generated = reference.generate(torch.tensor([prompt]), max_new_tokens=DECODE,
                                        do_sample=False, min_new_tokens=DECODE,
                                        pad_token_id=0)[0, PROMPT_LEN:].tolist()
-    assert (logits - expected).abs().max().item() <= 1e-5
+    # fp32 rounding only: the same kernels can still split their sums differently between
+    # threads from run to run (1.05e-5 seen on a busy box, logits up to ~20, where one ulp is
+    # 1.9e-6). A wrong split (a layer skipped or twice, a cache off by one) is orders larger.
+    assert (logits - expected).abs().max().item() <= 20 * torch.finfo(torch.float32).eps * \
+        expected.abs().max().item()
     assert tokens == generated
 
 

@@ -1,0 +1,36 @@
+"""Gateway-level errors (unknown route, body too large, refused at the door, proxy failures)
+in the shape of the protocol that owns the request's path."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, Response
+
+from protocols.spec import ProtocolSpec
+
+__all__ = ["ErrorShapes"]
+
+
+class ErrorShapes:
+    """Paths no protocol owns get the first HTTP protocol's shape (FastAPI's ``{"detail"}``
+    when only websocket protocols are enabled)."""
+
+    def __init__(self, specs: list[ProtocolSpec]):
+        self.owners = [s for s in specs if s.route_error is not None]
+
+    def owner(self, path: str) -> ProtocolSpec | None:
+        if not self.owners:
+            return None
+        # Under a Serve route prefix (/pipeline/v1/completions) the owner is found on a suffix.
+        candidates = [path] + [path[i:] for i in range(1, len(path)) if path[i] == "/"]
+        for candidate in candidates:
+            for spec in self.owners:
+                if spec.owns(candidate):
+                    return spec
+        return self.owners[0]
+
+    def response(self, path: str, status: int, message: str) -> Response:
+        owner = self.owner(path)
+        if owner is None:
+            return JSONResponse({"detail": message}, status_code=status)
+        assert owner.route_error is not None  # owners all have one
+        return owner.route_error(status, message)
