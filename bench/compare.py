@@ -35,6 +35,11 @@ RESULTS = ROOT / "bench" / "results"
 BARE_PORT, GATEWAY_PORT = 8100, 8000
 
 
+def _bin(name: str) -> str:
+    """A console script of this interpreter's environment (a .venv need not be on PATH)."""
+    return str(Path(sys.executable).parent / name)
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -101,7 +106,7 @@ def _serve_gateway() -> subprocess.Popen:
     path.write_text(json.dumps(config))
     env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gateway.proxy:middlewares",
            **os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(["serve", "run", str(path)], cwd=ROOT, env=env,
+    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT, env=env,
                             start_new_session=True)
 
 
@@ -154,7 +159,7 @@ def main() -> None:
         finally:
             _stop(proc)
             if label == "gateway":
-                subprocess.run(["ray", "stop", "--force"], capture_output=True)
+                subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
     summary = summarize(results["bare-vllm"], results["gateway"], args)
     (RESULTS / "summary.md").write_text(summary + "\n")
     print("\n" + summary)

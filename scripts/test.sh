@@ -5,9 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-PY="${PYTHON:-python3}"
+source scripts/env.sh
 export RAY_USAGE_STATS_ENABLED=0
 "$PY" -m ruff check .
 # The console script next to this interpreter (no `python -m` entry point exists).
-"$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))')/lint-imports"
+"$(dirname "$PY")/lint-imports"
 exec "$PY" -m pytest -ra "$@"

@@ -1,0 +1,284 @@
+"""Run as a program (``python -m tests.e2e.cluster_models``) by ``test_cluster_e2e.py``: a Ray
+cluster of a head and a worker node on this machine (``ray.cluster_utils.Cluster``, the custom
+resources ``scripts/ray_node.sh`` gives: the head ``llm_gateway_cpu_engine``, the worker
+``pipeline_stage``), Serve deployed with the ``serve deploy`` CLI from a config laid out like
+``serve_config.cluster.yaml`` (each model its own application, the gateway naming them), two tiny
+random checkpoints through the pipeline engine (one autoscaled 1-2 on the head, one with two
+fixed replicas and its stages on the worker). It requests on every protocol, drives a burst to
+watch the autoscaler, then deploys the config without the second model while a client keeps
+asking the first. Prints one ``RESULT`` JSON line; a subprocess so its Ray cluster never meets
+the test session's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+A, B = "tiny-a", "tiny-b"
+APP_A, APP_B = "model-tiny-a", "model-tiny-b"
+PROMPT = "The capital of France is"
+TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_config(http_port: int, a_dir: Path, b_dir: Path, with_b: bool) -> dict:
+    stage = {"stage_num_cpus": 0.1, "max_sequences": 4}
+    model_a = {"name": A, "engine": "pipeline", "source": str(a_dir), "num_cpus": 0.1,
+               "resources": {"llm_gateway_cpu_engine": 0.01},
+               "autoscaling": {"min_replicas": 1, "max_replicas": 2,
+                               "target_ongoing_requests": 1, "look_back_period_s": 2,
+                               "upscale_delay_s": 1, "downscale_delay_s": 4},
+               "engine_args": {"num_stages": 1, **stage}}
+    model_b = {"name": B, "engine": "pipeline", "source": str(b_dir), "num_cpus": 0.1,
+               "num_replicas": 2,
+               "engine_args": {"num_stages": 2, **stage,
+                               "stage_resources": [{"pipeline_stage": 0.01}] * 2}}
+    models = [(APP_A, model_a)] + ([(APP_B, model_b)] if with_b else [])
+    apps = [{"name": app, "route_prefix": None, "import_path": "gateway.app:build_engine_app",
+             "args": args} for app, args in models]
+    apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
+                 "args": {"ingress_num_cpus": 0.1, "tgi_model": A,
+                          "models": [{**args, "app": app} for app, args in models]}})
+    return {"proxy_location": "HeadOnly",
+            "http_options": {"host": "127.0.0.1", "port": http_port},
+            "applications": apps}
+
+
+def _deploy(config: dict, path: Path, dashboard: str) -> None:
+    path.write_text(yaml.safe_dump(config))
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    subprocess.run([serve_cli, "deploy", str(path), "--address", dashboard], check=True,
+                   capture_output=True, timeout=120)
+
+
+def _wait(condition, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except Exception:  # not up yet: connection refused, application missing
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} not reached within {timeout_s:.0f} s")
+
+
+def _replicas(app: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[app]
+    return sum(d.replica_states.get("RUNNING", 0) for d in status.deployments.values())
+
+
+def _ingress(list_actors) -> list[str]:
+    return sorted(a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                  if a.class_name.endswith("GatewayIngress"))
+
+
+def _asks(url: str) -> dict:
+    """Each model's greedy continuation on every protocol that names models (TGI serves its
+    one configured model), and each protocol's model listing."""
+    out: dict = {}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        out["openai_models"] = sorted(m["id"] for m in c.get("/v1/models").json()["data"])
+        out["lmi_models"] = sorted(m["modelName"] for m in c.get("/models").json()["models"])
+        for model in (A, B):
+            got: dict = {}
+            got["openai"] = c.post("/v1/completions", json={
+                "model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                "ignore_eos": True}).json()["choices"][0]["text"]
+            got["mindie"] = c.post(f"/v2/models/{model}/generate", json={
+                "text_input": PROMPT, "parameters": {"max_new_tokens": TOKENS,
+                                                     "ignore_eos": True}}).json()["text_output"]
+            lmi = c.post(f"/predictions/{model}", json={
+                "inputs": PROMPT, "parameters": {"max_new_tokens": TOKENS, "do_sample": False,
+                                                 "ignore_eos": True}}).json()
+            got["lmi"] = lmi["generated_text"]
+            got["mindie_listing"] = c.get(f"/v2/models/{model}").status_code
+            got["lmtp_tokens"] = asyncio.run(_lmtp(url, model))
+            out[model] = got
+        out["tgi"] = c.post("/generate", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": TOKENS, "ignore_eos_token": True}}).json()["generated_text"]
+        gone = c.post("/v1/completions", json={"model": "no-such", "prompt": "x"})
+        out["unknown_model"] = [gone.status_code, sorted(gone.json())]
+    return out
+
+
+async def _lmtp(url: str, model: str) -> int:
+    import websockets
+
+    async with websockets.connect(url.replace("http", "ws") + "/lmtp") as ws:
+        # LMTP prompts are token ids (LMQL tokenizes client-side); a random model may end early.
+        await ws.send("GENERATE " + json.dumps({"model": model, "prompt": [504, 3575, 282, 4649],
+                                                "stream_id": 1, "max_tokens": TOKENS,
+                                                "temperature": 0}))
+        tokens = 0
+        while True:
+            kind, _, body = (await asyncio.wait_for(ws.recv(), 60)).partition(" ")
+            items = json.loads(body)
+            assert kind == "TOKEN", (kind, items)
+            tokens += sum(1 for i in items if "token" in i)
+            if any(i.get("finish_reason") or "error" in i for i in items):
+                return tokens
+
+
+def _burst(url: str, seconds: float) -> list[int]:
+    """Concurrent long streams on model A for ``seconds``; the status codes seen."""
+    statuses: list[int] = []
+    stop = time.monotonic() + seconds
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            while time.monotonic() < stop:
+                r = c.post("/v1/completions", json={"model": A, "prompt": PROMPT,
+                                                    "max_tokens": 64, "ignore_eos": True})
+                statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return statuses
+
+
+def main() -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "gateway.proxy:middlewares")
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
+    from tests.pipeline_models import build_tiny
+
+    tmp = Path(tempfile.mkdtemp(prefix="cluster-models-"))
+    tokenizer = Path(local_model_dir(f"embedded:{EMBEDDED_MODEL_NAME}") or "")
+    a_dir, b_dir = build_tiny("llama", tmp / "a", tokenizer), build_tiny("llama-tied", tmp / "b",
+                                                                          tokenizer)
+    dashboard_port, http_port = _free_port(), _free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"llm_gateway_cpu_engine": 1},
+        "include_dashboard": True, "dashboard_port": dashboard_port})
+    cluster.add_node(num_cpus=2, resources={"pipeline_stage": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    dashboard = f"http://127.0.0.1:{dashboard_port}"
+    url = f"http://127.0.0.1:{http_port}"
+    result: dict = {"nodes": len([n for n in ray.nodes() if n["Alive"]])}
+    try:
+        started = time.monotonic()
+        _wait(lambda: httpx.get(f"{dashboard}/api/version").status_code == 200, "dashboard")
+        _deploy(_serve_config(http_port, a_dir, b_dir, True), tmp / "serve.yaml", dashboard)
+        _wait(lambda: httpx.get(f"{url}/health").status_code == 200
+              and _replicas(APP_B) == 2, "both models up", timeout_s=600)
+        result["deploy_s"] = round(time.monotonic() - started, 1)
+        result["asks"] = _asks(url)
+
+        # Where things run: replica and stage actors by node.
+        head = next(n["NodeID"] for n in ray.nodes() if "llm_gateway_cpu_engine" in n["Resources"])
+        actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)]
+        result["placement"] = {
+            "head": head,
+            "a_replicas": [a.node_id for a in actors if a.class_name.endswith(f"engine-{A}")],
+            "b_replicas": [a.node_id for a in actors if a.class_name.endswith(f"engine-{B}")],
+            "b_stages": [a.node_id for a in actors if (a.name or "").startswith(f"{B}:stage")],
+        }
+
+        # Autoscaling: replica counts of model A through a burst and after it.
+        timeline: list[tuple[float, int]] = []
+        t0 = time.monotonic()
+        sampling = threading.Event()
+
+        def sample() -> None:
+            while not sampling.is_set():
+                with contextlib.suppress(Exception):
+                    timeline.append((round(time.monotonic() - t0, 1), _replicas(APP_A)))
+                time.sleep(0.5)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        statuses = _burst(url, 45)
+        burst_end = round(time.monotonic() - t0, 1)
+        _wait(lambda: _replicas(APP_A) == 1, "scale-down", timeout_s=120)
+        time.sleep(1)
+        sampling.set()
+        sampler.join()
+        result["autoscaling"] = {"timeline": timeline, "burst_end_s": burst_end,
+                                 "burst_statuses": sorted(set(statuses)),
+                                 "burst_requests": len(statuses)}
+
+        # Remove model B with `serve deploy` while a client keeps asking model A. First wait
+        # for the scaled-down replica (and its stage actor) to be gone, not merely stopping.
+        def a_actors() -> list[str]:
+            return sorted(a.name for a in list_actors(filters=[("state", "=", "ALIVE")],
+                                                      limit=1000)
+                          if a.class_name.endswith(f"engine-{A}")
+                          or (a.name or "").startswith(f"{A}:stage"))
+
+        _wait(lambda: len(a_actors()) == 2, "model A down to one replica and its stage", 120)
+        before = a_actors()
+        ingress_before = _ingress(list_actors)
+        seen: list[int | str] = []
+        asking = threading.Event()
+
+        def ask_a() -> None:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                while not asking.is_set():
+                    try:
+                        seen.append(c.post("/v1/completions", json={
+                            "model": A, "prompt": PROMPT, "max_tokens": 4}).status_code)
+                    except httpx.HTTPError as exc:
+                        seen.append(type(exc).__name__)
+
+        asker = threading.Thread(target=ask_a)
+        asker.start()
+        time.sleep(2)
+        _deploy(_serve_config(http_port, a_dir, b_dir, False), tmp / "serve.yaml", dashboard)
+
+        def settled() -> bool:
+            from ray import serve
+
+            apps = serve.status().applications
+            ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+            return (APP_B not in apps and ids == [A]
+                    and all(str(apps[n].status).endswith("RUNNING") for n in apps))
+
+        _wait(settled, "model B removed", timeout_s=300)
+        time.sleep(3)
+        asking.set()
+        asker.join()
+        after = a_actors()
+        ingress_after = _ingress(list_actors)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            gone = c.post("/v1/completions", json={"model": B, "prompt": PROMPT, "max_tokens": 4})
+        result["redeploy"] = {
+            "a_actors_before": before, "a_actors_after": after,
+            "ingress_before": ingress_before, "ingress_after": ingress_after,
+            "a_statuses": {str(s): seen.count(s) for s in set(seen)},
+            "b_after": [gone.status_code, gone.json().get("error", {}).get("type")],
+        }
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
