@@ -637,35 +637,6 @@ async def disconnect(ctx: Context, scale: Scale) -> dict:
 
 # --- 3. overload ------------------------------------------------------------------------------
 
-async def _timed_request(c: httpx.AsyncClient, body: dict, stream: bool) -> dict:
-    started = time.monotonic()
-    ttfb = None
-    try:
-        async with asyncio.timeout(CLIENT_TIMEOUT_S):
-            async with c.stream("POST", "/v1/completions", json=body) as r:
-                chunks = []
-                async for chunk in r.aiter_bytes():
-                    ttfb = ttfb or time.monotonic() - started
-                    chunks.append(chunk)
-        raw = b"".join(chunks)
-    except (TimeoutError, httpx.TimeoutException):
-        return {"status": "hang", "ttfb": ttfb}
-    except (httpx.HTTPError, OSError) as exc:
-        return {"status": type(exc).__name__, "ttfb": ttfb}
-    row: dict[str, Any] = {"status": r.status_code, "ttfb": ttfb,
-                           "latency": time.monotonic() - started,
-                           "retry_after": r.headers.get("retry-after")}
-    if r.status_code == 200:
-        row["complete"] = raw.rstrip().endswith(b"data: [DONE]") if stream else b'"choices"' in raw
-    else:
-        try:
-            row["in_shape"] = "error" in json.loads(raw)  # OpenAI's envelope, not Serve's text
-        except ValueError:
-            row["in_shape"] = False
-            row["body"] = raw[:200].decode(errors="replace")
-    return row
-
-
 async def _watch_health(c: httpx.AsyncClient, stop: asyncio.Event, log: list) -> None:
     while not stop.is_set():
         started = time.monotonic()
