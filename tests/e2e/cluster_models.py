@@ -184,7 +184,15 @@ def main() -> None:
     result: dict = {"nodes": len([n for n in ray.nodes() if n["Alive"]])}
     try:
         started = time.monotonic()
-        _wait(lambda: httpx.get(f"{dashboard}/api/version").status_code == 200, "dashboard")
+        # With Ray's token auth on (a ~/.ray/auth_token exists, or RAY_AUTH_MODE=token inherited
+        # from a test session's ray.init), the dashboard answers 401 to a request without it.
+        from ray._private.authentication.http_token_authentication import (
+            get_auth_headers_if_auth_enabled,
+        )
+
+        auth = get_auth_headers_if_auth_enabled({})
+        _wait(lambda: httpx.get(f"{dashboard}/api/version", headers=auth).status_code == 200,
+              "dashboard")
         _deploy(_serve_config(http_port, a_dir, b_dir, True), tmp / "serve.yaml", dashboard)
         _wait(lambda: httpx.get(f"{url}/health").status_code == 200
               and _replicas(APP_B) == 2, "both models up", timeout_s=600)
