@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
 from engines.base import ReferenceOutput
+from engines.callers import Caller, CallerWatch
 from engines.config import ModelConfig
 from protocols.internal import (
     EngineStats,
@@ -30,11 +31,14 @@ __all__ = ["EngineDeployment", "drain_batches"]
 _END = object()
 
 
-async def drain_batches(events: AsyncIterator[Event]) -> AsyncIterator[list[Event]]:
+async def drain_batches(events: AsyncIterator[Event],
+                        watch: Callable[[asyncio.Task], None] | None = None,
+                        ) -> AsyncIterator[list[Event]]:
     """Re-chunk an event stream into lists of everything available when the consumer asks.
 
     A producer task runs ahead of the consumer; cancelling or closing this generator cancels it,
-    which aborts the engine request.
+    which aborts the engine request. ``watch`` gets the producer task: cancelling it (its caller
+    is gone) aborts the engine request too and ends this stream early, without an error.
     """
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -46,6 +50,8 @@ async def drain_batches(events: AsyncIterator[Event]) -> AsyncIterator[list[Even
             queue.put_nowait(_END)
 
     producer = asyncio.create_task(produce())
+    if watch is not None:
+        watch(producer)
     try:
         while True:
             batch = [await queue.get()]
@@ -58,7 +64,12 @@ async def drain_batches(events: AsyncIterator[Event]) -> AsyncIterator[list[Even
                 yield batch
             if done:
                 break
-        await producer  # surfaces a producer exception instead of swallowing it
+        try:
+            await producer  # surfaces a producer exception instead of swallowing it
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this stream itself is being cancelled
     finally:
         if not producer.done():
             producer.cancel()
@@ -76,9 +87,14 @@ class EngineDeployment:
         from engines.kinds import create_engine
 
         self.host = EngineHost(create_engine(config))
+        self.callers = CallerWatch()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
-        async for batch in drain_batches(self.host.generate(request)):
+    async def generate(self, request: GenerateRequest,
+                       caller: Caller | None = None) -> AsyncIterator[bytes]:
+        """``caller``: the calling ingress replica's actor, whose death aborts the request
+        (``engines.callers``)."""
+        watch = None if caller is None else (lambda task: self.callers.track(caller, task))
+        async for batch in drain_batches(self.host.generate(request), watch):
             yield encode_events(batch)
 
     async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:

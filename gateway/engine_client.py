@@ -33,6 +33,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle
 
+from engines.callers import current_caller
 from protocols.internal import (
     EngineStats,
     EngineUnavailable,
@@ -80,6 +81,7 @@ class ServeEngineClient:
         self._monitor: asyncio.Task | None = None
         self._suspect_event: asyncio.Event | None = None
         self._running: int | None = None  # replicas Serve last reported running (monitor)
+        self._caller: tuple[str, str] | bool | None = False  # this ingress replica, once known
 
     # --- availability ---------------------------------------------------------------------
 
@@ -168,8 +170,12 @@ class ServeEngineClient:
         # A replica that died before sending anything is retried once: nothing reached the
         # client, and Serve's router, having seen the death, picks another replica (with two
         # replicas a killed one costs no failed new request).
+        if self._caller is False:
+            self._caller = current_caller()
+        # Named, the engine replica aborts this generation if this ingress replica dies.
+        extra = {} if self._caller is None else {"caller": self._caller}
         for attempt in (0, 1):
-            response = self._streaming.generate.remote(request)
+            response = self._streaming.generate.remote(request, **extra)
             received = finished = False
             try:
                 if not await self._assigned(response):

@@ -435,6 +435,7 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
                   if a["name"].startswith("SERVE_REPLICA::gateway#GatewayIngress#")]
     async with httpx.AsyncClient(base_url=gateway_url, timeout=120) as c:
         await _engine_idle(c)
+        aborted = (await c.get("/gateway/engines")).json()[MODEL]["aborted"]
         calls = {name: asyncio.ensure_future(c.post(path, json=body))
                  for name, (path, body, _) in requests.items()}
         deadline = time.monotonic() + 30
@@ -451,6 +452,10 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
         assert requests[name][2](r.json()) and r.headers["retry-after"] == "1", (name, r.text)
     _wait_healthy(gateway_url, "the gateway after its ingress was replaced")
     async with httpx.AsyncClient(base_url=gateway_url, timeout=120) as c:
-        await _engine_idle(c)  # the dead ingress's engine requests were aborted, not leaked
+        # The dead ingress's engine requests were aborted (engines.callers), not decoded to
+        # their end: 400 tokens take longer than this wait on a 2-core AVX2 box.
+        await _engine_idle(c)
+        assert (await c.get("/gateway/engines")).json()[MODEL]["aborted"] >= aborted + len(
+            requests)
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200, r.text

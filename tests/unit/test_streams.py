@@ -80,3 +80,36 @@ async def test_drain_batches_close_cancels_the_producer():
     await anext(stream)
     await stream.aclose()
     await asyncio.wait_for(closed.wait(), 1)
+
+
+async def test_a_dead_callers_streams_end_and_their_engine_requests_close():
+    """engines.callers: the ingress that asked died; its generations are aborted (the engine
+    stream closed), another caller's go on, and the stream ends without raising."""
+    from engines.callers import CallerWatch
+
+    dead, alive = ("SERVE_REPLICA::gateway#GatewayIngress#dead", "serve"), ("other", "serve")
+    watch = CallerWatch(alive=lambda caller: caller != dead, interval_s=0.05)
+    closed_dead, closed_alive = asyncio.Event(), asyncio.Event()
+    orphan = drain_batches(_gen([_tok(i) for i in range(1000)], 0.01, closed=closed_dead),
+                           lambda task: watch.track(dead, task))
+    kept = drain_batches(_gen([_tok(i) for i in range(30)], 0.01, closed=closed_alive),
+                         lambda task: watch.track(alive, task))
+    got = await asyncio.wait_for(_list(orphan), 5)
+    assert 0 < sum(len(b) for b in got) < 1000  # ended early, quietly
+    await asyncio.wait_for(closed_dead.wait(), 1)
+    assert watch.cancelled == 1
+    assert sum(len(b) for b in await _list(kept)) == 30 and closed_alive.is_set()
+    await asyncio.sleep(0.15)
+    assert watch._loop is not None and watch._loop.done()  # no calls in flight, no checks
+
+
+async def test_a_caller_check_that_fails_cancels_nothing():
+    from engines.callers import CallerWatch
+
+    def broken(caller):
+        raise ConnectionError("GCS restarting")
+
+    watch = CallerWatch(alive=broken, interval_s=0.02)
+    stream = drain_batches(_gen([_tok(i) for i in range(10)], 0.01),
+                           lambda task: watch.track(("x", "serve"), task))
+    assert sum(len(b) for b in await _list(stream)) == 10 and watch.cancelled == 0
