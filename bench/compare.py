@@ -1,25 +1,38 @@
-"""Gateway vs bare vLLM, same model, same machine, same load, one run.
+"""Gateway vs bare vLLM vs Ray Serve LLM: same model, same machine, same load, one run.
 
-Serves the embedded model through (a) vLLM's own OpenAI server and (b) the gateway
-(Ray Serve ingress + vLLM deployment), one after the other so they never share the CPU, drives
-each with ``vllm bench serve`` (random 128-in / 64-out, 64 prompts, concurrency 16, ignore_eos,
-greedy), and prints ratios. Usage::
+Each round starts every server in turn (the order rotates from round to round), drives it with
+``vllm bench serve`` (random 128-in / 64-out, ignore_eos, greedy, warm-up requests excluded) at
+each concurrency, and stops it, so two servers never share the CPU. Besides throughput, TTFT
+and TPOT it reads the CPU time of each server's process tree and reports **CPU seconds per
+1,000 output tokens outside the engine** (vLLM's EngineCore process), the figure of a serving
+stack's overhead that does not depend on how fast the box's engine step is (``cputime.py``).
 
-    python bench/compare.py [--num-prompts 64] [--concurrency 16] [--backend openai|openai-chat]
+Two models: the embedded SmolLM2 (the README's default), and a tiny random-weight Llama (4
+layers, hidden 256, made on the fly) on which the engine is nearly free, so the serving stack's
+own cost dominates. ``--hog`` runs one busy process pinned to CPU 0 beside every server
+(contention). Usage::
 
-Results land in ``bench/results/`` (JSON per target and ``summary.md``).
+    python bench/compare.py [--models embedded,tiny] [--targets bare,gateway,serve-llm]
+                            [--concurrency 1,16,64] [--rounds 3] [--hog]
+
+Results land in ``bench/results/``: ``compare.json`` (every measurement) and ``summary.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import platform
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from math import nan
 from pathlib import Path
 
 import httpx
@@ -27,12 +40,16 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engines.config import ModelConfig  # noqa: E402
+from bench import cputime  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME, prepare_embedded_model  # noqa: E402
 from engines.vllm.args import engine_args as vllm_engine_args  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-BARE_PORT, GATEWAY_PORT = 8100, 8000
+PORTS = {"bare": 8100, "gateway": 8000, "gateway-haproxy": 8000, "serve-llm": 8200,
+         "gateway-samethread": 8000, "gateway-grpc": 8000, "gateway-tput": 8000}
+TINY_NAME = "tiny-random-llama"
+# The tiny model's positions stop at 512; the embedded model keeps the gateway's default.
+TINY_OVERRIDES = {"max_model_len": 512}
 
 
 def _bin(name: str) -> str:
@@ -40,18 +57,21 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+def _wait_ready(url: str, model: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    """Until the server lists ``model`` (every target serves ``/v1/models``; Ray Serve LLM has
+    no ``/health`` on its ingress)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
+            raise RuntimeError(f"server exited with {proc.returncode} before becoming ready")
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            listed = httpx.get(f"{url}/v1/models", timeout=5)
+            if listed.status_code == 200 and model in listed.text:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(2)
-    raise TimeoutError(f"{url} not healthy after {timeout} s")
+    raise TimeoutError(f"{url} not ready after {timeout} s")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -64,103 +84,276 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _bench(label: str, port: int, model_dir: str, args) -> dict:
-    filename = f"{label}.json"
-    endpoint = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
+def _bench(port: int, model: str, model_dir: str, concurrency: int, prompts: int,
+           backend: str) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="compare-"))
+    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
     cmd = [
         sys.executable, str(ROOT / "bench" / "vllm_cli.py"), "bench", "serve",
-        "--backend", args.backend, "--base-url", f"http://127.0.0.1:{port}",
-        "--endpoint", endpoint, "--model", EMBEDDED_MODEL_NAME, "--tokenizer", model_dir,
+        "--backend", backend, "--base-url", f"http://127.0.0.1:{port}",
+        "--endpoint", endpoint, "--model", model, "--tokenizer", model_dir,
         "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "64",
-        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
-        "--num-warmups", "4", "--ignore-eos", "--temperature", "0", "--seed", "0",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--save-result", "--result-dir", str(RESULTS), "--result-filename", filename,
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+        "--num-warmups", str(max(4, concurrency)), "--ignore-eos", "--temperature", "0",
+        "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(out), "--result-filename", "r.json",
     ]
-    print(f"\n=== {label}: {' '.join(cmd[2:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return json.loads((RESULTS / filename).read_text())
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads((out / "r.json").read_text())
 
 
-def _serve_bare(model_dir: str) -> subprocess.Popen:
+def _serve_bare(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
     # Exactly the engine args the gateway's replica resolves for this machine.
-    engine_args = vllm_engine_args(ModelConfig().engine_args)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", EMBEDDED_MODEL_NAME, "--host", "127.0.0.1",
-           "--port", str(BARE_PORT)]
-    for key, value in engine_args.items():
+           "--served-model-name", model, "--host", "127.0.0.1", "--port", str(PORTS["bare"])]
+    for key, value in vllm_engine_args(overrides).items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL)
 
 
-def _serve_gateway() -> subprocess.Popen:
+def _ray_env(**extra: str) -> dict:
+    return {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gateway.proxy:middlewares",
+            **os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), **extra}
+
+
+def _serve_gateway(model: str, model_dir: str, overrides: dict,
+                   env: dict | None = None) -> subprocess.Popen:
+    # The README's path: `serve run` of a config, Serve's proxy on the public port.
     config = {
         "proxy_location": "EveryNode",
-        "http_options": {"host": "127.0.0.1", "port": GATEWAY_PORT},
+        "http_options": {"host": "127.0.0.1", "port": PORTS["gateway"]},
         "applications": [{
             "name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
-            "args": {"models": [{"name": EMBEDDED_MODEL_NAME}]},
+            "args": {"models": [{"name": model, "source": model_dir,
+                                 "engine_args": overrides}]},
         }],
     }
     path = Path(tempfile.mkdtemp()) / "bench_serve.json"
     path.write_text(json.dumps(config))
-    env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gateway.proxy:middlewares",
-           **os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT,
+                            env=_ray_env(**(env or {})), start_new_session=True,
+                            stdout=subprocess.DEVNULL)
+
+
+def _serve_gateway_haproxy(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
+    # Ray Serve's HAProxy ingress: HAProxy on the public port forwards straight to the ingress
+    # replica's own HTTP server (direct ingress), no Serve proxy actor in the token path.
+    return _serve_gateway(model, model_dir, overrides, {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"})
+
+
+def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
+    config = {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "127.0.0.1", "port": PORTS["serve-llm"]},
+        "applications": [{
+            "name": "llm", "route_prefix": "/", "import_path": "bench.serve_llm_app:build",
+            "args": {"model_id": model, "model_dir": model_dir, "engine_args": overrides},
+        }],
+    }
+    path = Path(tempfile.mkdtemp()) / "bench_serve_llm.json"
+    path.write_text(json.dumps(config))
+    env = _ray_env(RAY_OVERRIDE_RESOURCES=json.dumps({"CPU": 8}))
     return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT, env=env,
-                            start_new_session=True)
+                            start_new_session=True, stdout=subprocess.DEVNULL)
 
 
-def _row(name: str, bare: float, gateway: float, better_high: bool) -> str:
-    ratio = gateway / bare if bare else float("nan")
-    delta = (gateway - bare) / bare * 100 if bare else float("nan")
-    note = f"{ratio:.3f}x" if better_high else f"{delta:+.1f}%"
-    return f"| {name} | {bare:.2f} | {gateway:.2f} | {note} |"
+# Ray Serve settings tried on the gateway (the env of the Ray instance `serve run` starts).
+VARIANTS = {
+    # User code on Serve's own event loop and the handle's router on the caller's loop: no
+    # thread hop per ASGI message and per streamed item.
+    "gateway-samethread": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                           "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"},
+    # ... and calls between deployments (proxy -> ingress -> engine) over Serve's gRPC
+    # transport, by value, instead of Ray actor tasks and object refs.
+    "gateway-grpc": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+                     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"},
+    # Ray Serve's own bundle of the above (plus direct ingress, buffered request logs).
+    "gateway-tput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+}
+STARTERS = {"bare": _serve_bare, "gateway": _serve_gateway,
+            "gateway-haproxy": _serve_gateway_haproxy, "serve-llm": _serve_llm,
+            **{name: functools.partial(_serve_gateway, env=env) for name, env in VARIANTS.items()}}
 
 
-def summarize(bare: dict, gateway: dict, args) -> str:
-    lines = [
-        f"Load: random 128-in/64-out, {args.num_prompts} prompts, concurrency {args.concurrency},"
-        f" ignore_eos, temperature 0, backend `{args.backend}`.",
-        "",
-        "| metric | bare vLLM | gateway | gateway vs bare |",
-        "|---|---|---|---|",
-        _row("output throughput (tok/s)", bare["output_throughput"],
-             gateway["output_throughput"], True),
-        _row("request throughput (req/s)", bare["request_throughput"],
-             gateway["request_throughput"], True),
-    ]
-    for metric in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("median", "p90", "p99"):
-            key = f"{stat}_{metric}_ms"
-            if key in bare and key in gateway:
-                lines.append(_row(f"{stat} {metric.upper()} (ms)", bare[key], gateway[key], False))
-    lines.append(f"\nFailed requests: bare {bare.get('failed', 0)}, gateway "
-                 f"{gateway.get('failed', 0)}; generated tokens: bare {bare['total_output_tokens']}"
-                 f", gateway {gateway['total_output_tokens']}.")
+def _hog() -> subprocess.Popen:
+    """One busy process pinned to CPU 0 for the whole run: the same contention for every
+    server."""
+    return subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\n"
+                             "while True:\n    pass"], start_new_session=True)
+
+
+def _build_tiny(target: Path, tokenizer_dir: Path) -> Path:
+    """A random-weight Llama the engine runs almost for free: 4 layers, hidden 256, head_dim 64
+    (vLLM's CPU attention has no kernels for smaller heads), SmolLM2's vocabulary and tokenizer
+    so prompts and outputs look like the embedded model's."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, target / name)
+    return target
+
+
+def _models(names: list[str]) -> list[tuple[str, str, dict]]:
+    out = []
+    embedded = str(prepare_embedded_model())
+    for name in names:
+        if name == "embedded":
+            out.append((EMBEDDED_MODEL_NAME, embedded, {}))
+        elif name == "tiny":
+            out.append((TINY_NAME, str(_build_tiny(Path(tempfile.mkdtemp(prefix="tiny-")),
+                                                   Path(embedded))), TINY_OVERRIDES))
+        else:
+            raise SystemExit(f"unknown model {name!r}: embedded or tiny")
+    return out
+
+
+def measure(args) -> list[dict]:
+    rows: list[dict] = []
+    for model, model_dir, overrides in _models(args.models):
+        for rnd in range(args.rounds):
+            order = args.targets[rnd % len(args.targets):] + args.targets[:rnd % len(args.targets)]
+            for target in order:
+                proc = STARTERS[target](model, model_dir, overrides)
+                try:
+                    _wait_ready(f"http://127.0.0.1:{PORTS[target]}", model, proc)
+                    # What the server burns with no request at all (Ray's background, pollers):
+                    # part of every per-token figure below, largest at c=1.
+                    time.sleep(args.idle_s / 2)
+                    before = cputime.snapshot(proc.pid)
+                    time.sleep(args.idle_s)
+                    idle = cputime.spent(before, cputime.snapshot(proc.pid))
+                    idle = {f"idle_{k}": round(v / args.idle_s, 3) for k, v in idle.items()}
+                    for conc in args.concurrency:
+                        prompts = args.c1_prompts if conc == 1 else max(args.num_prompts, 2 * conc)
+                        before = cputime.snapshot(proc.pid)
+                        result = _bench(PORTS[target], model, model_dir, conc, prompts,
+                                        args.backend)
+                        cpu = cputime.spent(before, cputime.snapshot(proc.pid))
+                        row = {"model": model, "target": target, "round": rnd,
+                               "concurrency": conc, "prompts": prompts, **cpu, **idle,
+                               **{k: v for k, v in result.items()
+                                  if isinstance(v, (int, float))}}
+                        rows.append(row)
+                        print(json.dumps({k: row[k] for k in (
+                            "model", "target", "round", "concurrency", "output_throughput",
+                            "median_ttft_ms", "median_tpot_ms", "other_cpu_s", "engine_cpu_s",
+                            "total_output_tokens")}), flush=True)
+                finally:
+                    tree = cputime.snapshot(proc.pid)
+                    _stop(proc)
+                    if target != "bare":
+                        subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
+                    # `ray stop --force` kills replicas, and a killed replica's vLLM engine
+                    # processes can outlive it; none may run into the next server's turn.
+                    cputime.kill_leftovers(tree)
+    return rows
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in rows)
+
+
+def _per_1k(rows: list[dict], key: str) -> float:
+    return 1000 * sum(r[key] for r in rows) / sum(r["total_output_tokens"] for r in rows)
+
+
+def summarize(rows: list[dict], args) -> str:
+    lines = [f"Load: random 128-in/64-out, ignore_eos, temperature 0, backend `{args.backend}`,"
+             f" {1 + max(r['round'] for r in rows)} rounds (server order rotating),"
+             " warm-ups excluded"
+             f"{', one busy process pinned to CPU 0 throughout' if args.hog else ''}.", ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        lines += [f"### {model}", "",
+                  "| c | server | output tok/s (rounds) | mean | vs bare | TTFT p50 ms | "
+                  "TPOT p50 ms | CPU s / 1k tok outside engine | engine CPU s / 1k tok | "
+                  "idle CPU s/s outside engine |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        mine = [r for r in rows if r["model"] == model]
+        for conc in sorted({r["concurrency"] for r in mine}):
+            picked = {t: [r for r in mine if r["target"] == t and r["concurrency"] == conc]
+                      for t in dict.fromkeys(r["target"] for r in mine)}
+            bare = picked.get("bare")
+            for target, got in picked.items():
+                if not got:
+                    continue
+                tput = _mean(got, "output_throughput")
+                ratio = f"{tput / _mean(bare, 'output_throughput'):.3f}x" if bare else "-"
+                ttft, tpot = _mean(got, "median_ttft_ms"), _mean(got, "median_tpot_ms")
+                if bare and target != "bare":
+                    ttft_s = f"{ttft:.1f} ({ttft - _mean(bare, 'median_ttft_ms'):+.1f})"
+                    tpot_s = f"{tpot:.2f} ({tpot - _mean(bare, 'median_tpot_ms'):+.2f})"
+                else:
+                    ttft_s, tpot_s = f"{ttft:.1f}", f"{tpot:.2f}"
+                rounds = ", ".join(f"{r['output_throughput']:.1f}" for r in got)
+                lines.append(f"| {conc} | {target} | {rounds} | {tput:.1f} | {ratio} | {ttft_s} "
+                             f"| {tpot_s} | {_per_1k(got, 'other_cpu_s'):.2f} | "
+                             f"{_per_1k(got, 'engine_cpu_s'):.2f} | "
+                             f"{statistics.fmean(r.get('idle_other_cpu_s', nan) for r in got):.2f} |")
+        lines.append("")
+    failed = sum(r.get("failed", 0) for r in rows)
+    lines.append(f"Failed requests: {failed}. Machine: {_machine()}.")
     return "\n".join(lines)
+
+
+def _machine() -> str:
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    simd = "AVX-512 + avx512_bf16" if "avx512_bf16" in flags else (
+        "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
+    dtype = vllm_engine_args({})["dtype"]
+    return (f"{os.cpu_count()} CPUs ({platform.machine()}, {simd}), engine dtype {dtype} "
+            f"({'checkpoint dtype' if dtype == 'auto' else 'no native bf16'})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    parser.add_argument("--models", type=split, default=["embedded", "tiny"])
+    parser.add_argument("--targets", type=split, default=["bare", "gateway", "serve-llm"])
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=64,
+                        help="prompts per run at c > 1 (at least 2 x c)")
+    parser.add_argument("--c1-prompts", type=int, default=16, help="prompts per run at c = 1")
     parser.add_argument("--backend", default="openai", choices=["openai", "openai-chat"])
+    parser.add_argument("--hog", action="store_true")
+    parser.add_argument("--idle-s", type=float, default=10,
+                        help="seconds of idle CPU measured per server before its load")
+    parser.add_argument("--summarize", type=Path, metavar="COMPARE_JSON",
+                        help="only write the summary of an earlier run's compare.json")
     args = parser.parse_args()
+    if args.summarize:
+        print(summarize(json.loads(args.summarize.read_text()), args))
+        return
+    unknown = set(args.targets) - set(STARTERS)
+    if unknown:
+        raise SystemExit(f"unknown targets {sorted(unknown)}: {sorted(STARTERS)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    model_dir = str(prepare_embedded_model())
-
-    results = {}
-    for label, start, port in (("bare-vllm", lambda: _serve_bare(model_dir), BARE_PORT),
-                               ("gateway", _serve_gateway, GATEWAY_PORT)):
-        proc = start()
-        try:
-            _wait_healthy(f"http://127.0.0.1:{port}", proc)
-            results[label] = _bench(label, port, model_dir, args)
-        finally:
-            _stop(proc)
-            if label == "gateway":
-                subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
-    summary = summarize(results["bare-vllm"], results["gateway"], args)
+    hog = _hog() if args.hog else None
+    try:
+        rows = measure(args)
+    finally:
+        if hog:
+            _stop(hog)
+    (RESULTS / "compare.json").write_text(json.dumps(rows, indent=1))
+    summary = summarize(rows, args)
     (RESULTS / "summary.md").write_text(summary + "\n")
     print("\n" + summary)
 

@@ -1,0 +1,66 @@
+"""CPU time of a server's process tree, split into "engine" and "everything else".
+
+The hardware-robust figure of a serving stack's overhead is the CPU it burns per generated token
+outside the model: on a fast engine a fixed per-token cost that hides behind a slow step shows
+up in full. A server here is the tree under the process a benchmark started (``serve run``
+starts Ray's GCS, raylet, proxy and replica workers as its descendants; vLLM's API server
+starts its EngineCore). The engine is vLLM's engine-core and worker processes (vLLM titles them
+``VLLM::EngineCore`` and ``VLLM::Worker``; on CPU the model runs in the worker): they run the
+scheduler, the model and sampling, the part every server shares. Everything else, vLLM's own
+API server process included, is the serving stack.
+"""
+
+from __future__ import annotations
+
+import psutil
+
+ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+
+
+def _is_engine(proc: psutil.Process) -> bool:
+    try:
+        title = " ".join(proc.cmdline())  # setproctitle rewrites the command line
+    except psutil.Error:
+        return False
+    return title.startswith(ENGINE_TITLES)
+
+
+def snapshot(root_pid: int) -> dict[int, tuple[bool, float]]:
+    """``{pid: (is_engine, user+system CPU seconds)}`` for the tree under ``root_pid``."""
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    out: dict[int, tuple[bool, float]] = {}
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            out[proc.pid] = (_is_engine(proc), times.user + times.system)
+        except psutil.Error:  # exited between listing and reading
+            continue
+    return out
+
+
+def spent(before: dict[int, tuple[bool, float]],
+          after: dict[int, tuple[bool, float]]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, engine vs the rest. A process born in between
+    counts from zero; one that died in between is lost (its last interval is small next to a
+    benchmark's)."""
+    engine = other = 0.0
+    for pid, (is_engine, cpu) in after.items():
+        delta = cpu - before.get(pid, (is_engine, 0.0))[1]
+        if is_engine:
+            engine += delta
+        else:
+            other += delta
+    return {"engine_cpu_s": round(engine, 3), "other_cpu_s": round(other, 3)}
+
+
+def kill_leftovers(tree: dict[int, tuple[bool, float]]) -> None:
+    """SIGKILL whatever of an earlier snapshot's processes still runs."""
+    for pid in tree:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            continue

@@ -1,0 +1,28 @@
+"""bench/compare.py's summary: rounds averaged per server, ratios against bare vLLM, CPU per 1k
+tokens summed over rounds (not averaged per round)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from bench.compare import summarize
+
+
+def _row(target, rnd, tput, other, tokens=1000, conc=16):
+    return {"model": "m", "target": target, "round": rnd, "concurrency": conc,
+            "output_throughput": tput, "median_ttft_ms": 100.0, "median_tpot_ms": 10.0,
+            "other_cpu_s": other, "engine_cpu_s": 2.0, "total_output_tokens": tokens,
+            "idle_other_cpu_s": 0.25}
+
+
+def test_ratios_and_cpu_per_thousand_tokens():
+    rows = [_row("bare", 0, 100, 0.5), _row("bare", 1, 120, 0.5),
+            _row("gateway", 0, 90, 3.0), _row("gateway", 1, 108, 1.0, tokens=3000)]
+    text = summarize(rows, SimpleNamespace(backend="openai", hog=False))
+    gateway = next(line for line in text.splitlines() if line.startswith("| 16 | gateway |"))
+    cells = [c.strip() for c in gateway.strip("|").split("|")]
+    assert cells[2] == "90.0, 108.0" and cells[3] == "99.0"
+    assert cells[4] == "0.900x"  # 99 / 110
+    assert cells[7] == "1.00"  # (3 + 1) s over 4,000 tokens
+    assert cells[9] == "0.25"
+    assert "2 rounds" in text and "Machine:" in text

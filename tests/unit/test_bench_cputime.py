@@ -1,0 +1,62 @@
+"""bench/cputime.py: a process tree's CPU time, vLLM's engine processes apart from the rest."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from bench import cputime
+
+BURN = """
+import sys, time
+if sys.argv[1]:
+    import setproctitle
+    setproctitle.setproctitle(sys.argv[1])
+open(sys.argv[2], "w").close()
+end = time.process_time() + 0.4
+while time.process_time() < end:
+    pass
+time.sleep(30)
+"""
+
+
+def _wait_for(path, deadline_s: float = 20) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not path.exists():
+        assert time.monotonic() < deadline, "child did not start"
+        time.sleep(0.05)
+
+
+def test_engine_and_serving_cpu_are_told_apart(tmp_path):
+    # A parent (the "server") with two busy children: one titled as vLLM titles its worker.
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        before = cputime.snapshot(parent.pid)
+        children = [subprocess.Popen([sys.executable, "-c", BURN, title, str(tmp_path / name)])
+                    for title, name in (("VLLM::Worker", "engine"), ("", "other"))]
+        # The children are this test's, not the sleeper's: measure each tree and add them up.
+        try:
+            for name in ("engine", "other"):
+                _wait_for(tmp_path / name)
+            time.sleep(0.8)  # both finished their 0.4 s of CPU
+            spent = {"engine_cpu_s": 0.0, "other_cpu_s": 0.0}
+            for child in children:
+                got = cputime.spent({}, cputime.snapshot(child.pid))
+                for key in spent:
+                    spent[key] += got[key]
+        finally:
+            for child in children:
+                child.kill()
+        assert 0.35 <= spent["engine_cpu_s"] < 1.5, spent
+        assert 0.35 <= spent["other_cpu_s"] < 1.5, spent
+        idle = cputime.spent(before, cputime.snapshot(parent.pid))
+        assert idle["engine_cpu_s"] == 0 and idle["other_cpu_s"] < 0.2, idle
+    finally:
+        parent.kill()
+
+
+def test_a_process_gone_from_the_tree_yields_nothing():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert cputime.snapshot(proc.pid) == {}
