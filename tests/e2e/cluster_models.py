@@ -80,11 +80,18 @@ def _wait(condition, what: str, timeout_s: float = 300) -> None:
     raise TimeoutError(f"{what} not reached within {timeout_s:.0f} s")
 
 
-def _replicas(app: str) -> int:
+def _replica_states(app: str) -> dict[str, int]:
     from ray import serve
 
-    status = serve.status().applications[app]
-    return sum(d.replica_states.get("RUNNING", 0) for d in status.deployments.values())
+    states: dict[str, int] = {}
+    for d in serve.status().applications[app].deployments.values():
+        for state, n in d.replica_states.items():
+            states[str(state)] = states.get(str(state), 0) + n
+    return states
+
+
+def _replicas(app: str) -> int:
+    return _replica_states(app).get("RUNNING", 0)
 
 
 def _ingress(list_actors) -> list[str]:
@@ -139,14 +146,15 @@ async def _lmtp(url: str, model: str) -> int:
                 return tokens
 
 
-def _burst(url: str, seconds: float) -> list[int]:
-    """Concurrent long streams on model A for ``seconds``; the status codes seen."""
+def _burst(url: str, until, max_s: float) -> list[int]:
+    """Concurrent long requests on model A until ``until()`` holds (checked every 0.5 s) or
+    ``max_s`` passed; the status codes seen."""
     statuses: list[int] = []
-    stop = time.monotonic() + seconds
+    stop = threading.Event()
 
     def client() -> None:
         with httpx.Client(base_url=url, timeout=120) as c:
-            while time.monotonic() < stop:
+            while not stop.is_set():
                 r = c.post("/v1/completions", json={"model": A, "prompt": PROMPT,
                                                     "max_tokens": 64, "ignore_eos": True})
                 statuses.append(r.status_code)
@@ -154,6 +162,13 @@ def _burst(url: str, seconds: float) -> list[int]:
     threads = [threading.Thread(target=client) for _ in range(6)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):  # a status read that failed: ask again
+            if until():
+                break
+        time.sleep(0.5)
+    stop.set()
     for t in threads:
         t.join()
     return statuses
@@ -161,7 +176,9 @@ def _burst(url: str, seconds: float) -> list[int]:
 
 def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "gateway.proxy:middlewares")
+    from gateway import serve_env
+
+    serve_env.apply()
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
@@ -209,26 +226,42 @@ def main() -> None:
             "b_stages": [a.node_id for a in actors if (a.name or "").startswith(f"{B}:stage")],
         }
 
-        # Autoscaling: replica counts of model A through a burst and after it.
+        # Autoscaling: replica counts of model A through a burst and after it. The burst lasts
+        # until the second replica is RUNNING plus a few seconds (bounded): starting a replica
+        # (a stage actor importing torch, loading weights) under a saturated 2-core CI box took
+        # longer than the fixed 45 s burst this used to be, so the new replica was torn down
+        # again before it ever ran.
         timeline: list[tuple[float, int]] = []
+        states: list[tuple[float, dict[str, int]]] = []
         t0 = time.monotonic()
         sampling = threading.Event()
 
         def sample() -> None:
             while not sampling.is_set():
                 with contextlib.suppress(Exception):
-                    timeline.append((round(time.monotonic() - t0, 1), _replicas(APP_A)))
+                    now, got = round(time.monotonic() - t0, 1), _replica_states(APP_A)
+                    timeline.append((now, got.get("RUNNING", 0)))
+                    if not states or states[-1][1] != got:
+                        states.append((now, got))
                 time.sleep(0.5)
 
         sampler = threading.Thread(target=sample)
         sampler.start()
-        statuses = _burst(url, 45)
+        up_seen: list[float] = []
+
+        def up_a_while() -> bool:
+            if not up_seen and _replicas(APP_A) == 2:
+                up_seen.append(time.monotonic())
+            return bool(up_seen) and time.monotonic() - up_seen[0] > 5
+
+        statuses = _burst(url, up_a_while, max_s=300)
         burst_end = round(time.monotonic() - t0, 1)
         _wait(lambda: _replicas(APP_A) == 1, "scale-down", timeout_s=120)
         time.sleep(1)
         sampling.set()
         sampler.join()
-        result["autoscaling"] = {"timeline": timeline, "burst_end_s": burst_end,
+        result["autoscaling"] = {"timeline": timeline, "states": states,
+                                 "burst_end_s": burst_end,
                                  "burst_statuses": sorted(set(statuses)),
                                  "burst_requests": len(statuses)}
 

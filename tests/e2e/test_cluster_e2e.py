@@ -70,7 +70,8 @@ def test_the_autoscaled_model_goes_up_under_a_burst_and_back_down(cluster_run, r
     request.config.pluginmanager.get_plugin("terminalreporter").write_line(
         f"\nmodel {A} RUNNING replicas (seconds since the burst began, count) at each change: "
         f"{changes}; burst ended at {scaling['burst_end_s']} s, "
-        f"{scaling['burst_requests']} requests")
+        f"{scaling['burst_requests']} requests; all replica states at each change: "
+        f"{scaling['states']}")
     assert scaling["burst_statuses"] == [200] and scaling["burst_requests"] > 0
     assert counts[0] == 1
     assert max(counts) == 2
