@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench import cputime  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME, prepare_embedded_model  # noqa: E402
 from engines.vllm.args import engine_args as vllm_engine_args  # noqa: E402
+from gateway import serve_env  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PORTS = {"bare": 8100, "gateway": 8000, "gateway-haproxy": 8000, "serve-llm": 8200,
@@ -113,8 +114,9 @@ def _serve_bare(model: str, model_dir: str, overrides: dict) -> subprocess.Popen
 
 
 def _ray_env(**extra: str) -> dict:
-    return {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gateway.proxy:middlewares",
-            **os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), **extra}
+    # The gateway's own Ray environment (scripts/serve.sh's), then the variant's settings.
+    env = serve_env.apply(dict(os.environ))
+    return {**env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), **extra}
 
 
 def _serve_gateway(model: str, model_dir: str, overrides: dict,

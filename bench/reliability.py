@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from engines.config import ModelConfig  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
+from gateway import serve_env  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 
 APP = "relbench"
@@ -136,7 +137,7 @@ class Gateway:
         from ray import serve
 
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-        os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "gateway.proxy:middlewares")
+        serve_env.apply()
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0",

@@ -14,7 +14,8 @@ source scripts/env.sh
 role="${1:?usage: ray_node.sh head|worker [HEAD_ADDRESS] [ray start options]}"
 shift
 export RAY_USAGE_STATS_ENABLED=0
-export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-gateway.proxy:middlewares}"
+# Serve settings the gateway needs in the environment Ray starts with (gateway/serve_env.py).
+eval "$("$PY" -m gateway.serve_env)"
 
 # Ray's token authentication: with ~/.ray/auth_token on the node (cluster.yaml copies the
 # launching machine's to every node, so they all share it), say so explicitly; a node without it

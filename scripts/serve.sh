@@ -5,7 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 source scripts/env.sh
 export RAY_USAGE_STATS_ENABLED=0
-# Errors Serve's proxy writes itself (an ingress replica that died, a proxy timeout) come in
-# the protocol's shape; this needs to be in Ray's environment when it starts.
-export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-gateway.proxy:middlewares}"
+# Serve settings the gateway needs in the environment Ray starts with (gateway/serve_env.py).
+eval "$("$PY" -m gateway.serve_env)"
 exec "$(dirname "$PY")/serve" run "${1:-serve_config.yaml}"

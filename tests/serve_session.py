@@ -16,10 +16,10 @@ import uvicorn
 
 from engines.config import ModelConfig
 from engines.embedded import EMBEDDED_MODEL_NAME
+from gateway import serve_env
 from gateway.config import GatewayConfig
 
 MODEL = EMBEDDED_MODEL_NAME
-PROXY_CALLBACK = "gateway.proxy:middlewares"
 APP_NAME = "gateway"
 # Small, so the 413 path is exercised through Ray Serve without shipping 64 MiB bodies.
 MAX_REQUEST_BYTES = 1 << 20
@@ -53,7 +53,7 @@ def gateway_url():
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Serve's proxy inherits Ray's environment: errors it writes itself come in shape.
-    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_CALLBACK)
+    serve_env.apply()
     port = _free_port()
     ray.init(include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
