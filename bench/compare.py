@@ -47,7 +47,8 @@ from gateway import serve_env  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PORTS = {"bare": 8100, "gateway": 8000, "gateway-haproxy": 8000, "serve-llm": 8200,
-         "gateway-samethread": 8000, "gateway-grpc": 8000, "gateway-tput": 8000}
+         "gateway-samethread": 8000, "gateway-grpc": 8000, "gateway-tput": 8000,
+         "gateway-colocated": 8000, "gateway-colocated-grpc": 8000}
 TINY_NAME = "tiny-random-llama"
 # The tiny model's positions stop at 512; the embedded model keeps the gateway's default.
 TINY_OVERRIDES = {"max_model_len": 512}
@@ -120,7 +121,7 @@ def _ray_env(**extra: str) -> dict:
 
 
 def _serve_gateway(model: str, model_dir: str, overrides: dict,
-                   env: dict | None = None) -> subprocess.Popen:
+                   env: dict | None = None, colocated: bool = False) -> subprocess.Popen:
     # The README's path: `serve run` of a config, Serve's proxy on the public port.
     config = {
         "proxy_location": "EveryNode",
@@ -128,7 +129,7 @@ def _serve_gateway(model: str, model_dir: str, overrides: dict,
         "applications": [{
             "name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
             "args": {"models": [{"name": model, "source": model_dir,
-                                 "engine_args": overrides}]},
+                                 "engine_args": overrides, "colocated": colocated}]},
         }],
     }
     path = Path(tempfile.mkdtemp()) / "bench_serve.json"
@@ -176,6 +177,11 @@ VARIANTS = {
     "gateway-tput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
 STARTERS = {"bare": _serve_bare, "gateway": _serve_gateway,
+            # The engine inside the ingress replica (ModelConfig.colocated): no Ray hop between
+            # the engine and the protocol encoders.
+            "gateway-colocated": functools.partial(_serve_gateway, colocated=True),
+            "gateway-colocated-grpc": functools.partial(_serve_gateway, colocated=True,
+                                                        env=VARIANTS["gateway-grpc"]),
             "gateway-haproxy": _serve_gateway_haproxy, "serve-llm": _serve_llm,
             **{name: functools.partial(_serve_gateway, env=env) for name, env in VARIANTS.items()}}
 

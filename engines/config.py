@@ -65,6 +65,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     short). ``max_queued_requests``: requests each ingress replica queues for this model beyond
     that (default: as many as ongoing); more are refused as overloaded (429/503 in the
     protocol's shape) instead of waiting without bound. ``-1``: unbounded (Serve's default).
+    ``colocated``: the engine runs inside each of the gateway's ingress replicas instead of in
+    replicas of its own, so tokens reach the protocol encoders without a Ray hop (what Ray
+    Serve LLM calls direct streaming); the ingress's replica count is then the model's, and
+    ``num_cpus`` / ``num_gpus`` / ``resources`` are added to the ingress's own. At most one
+    model per gateway, not with ``app``, ``num_replicas`` or ``autoscaling``.
     """
 
     name: str = EMBEDDED_MODEL_NAME
@@ -85,6 +90,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # How often Serve's controller health-checks each replica (Serve's default: 10 s). A dead
     # replica is noticed no sooner, and until then requests wait for it in Serve's router.
     health_check_period_s: float = 2.0
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -93,6 +99,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("num_replicas must be >= 1")
         if self.app is not None and not self.app.strip():
             raise ValueError("app must name a Serve application")
+        if self.colocated and (self.app is not None or self.num_replicas != 1
+                               or self.autoscaling is not None):
+            raise ValueError(f"model {self.name!r}: a colocated model runs in the gateway's "
+                             "ingress replicas (ingress_replicas), so app, num_replicas and "
+                             "autoscaling do not apply")
         if any(not v > 0 for v in self.resources.values()):
             raise ValueError("resources must be positive amounts")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:

@@ -125,6 +125,7 @@ class GatewayIngress:
 
     def __init__(self, engines: dict[str, DeploymentHandle], config: GatewayConfig):
         from gateway.engine_client import ServeEngineClient
+        from gateway.local_engine import LocalEngineClient
 
         models = {m.name: m for m in config.models}
         handles = dict(engines)
@@ -138,6 +139,12 @@ class GatewayIngress:
                                         stall_timeout_s=config.engine_stall_timeout_s,
                                         max_pending=models[n].pending_limit())
                    for n, h in handles.items()}
+        for model in config.models:
+            if model.colocated:
+                clients[model.name] = LocalEngineClient.start(
+                    model, request_timeout_s=config.request_timeout_s,
+                    max_pending=model.pending_limit())
+        clients = {m.name: clients[m.name] for m in config.models}  # the config's order
         self._registry = ModelRegistry(clients, config.aliases,
                                        expose_paths=config.expose_model_paths)
         self._config = config
@@ -168,14 +175,15 @@ def build_app(args: dict[str, Any] | GatewayConfig | None = None) -> serve.Appli
     Models with ``app`` set are served by that Serve application (``build_engine_app``), the
     others by engine deployments inside this one."""
     config = load_config(args)
-    engines = {model.name: _engine_app(model) for model in config.models if model.app is None}
+    engines = {model.name: _engine_app(model) for model in config.models
+               if model.app is None and not model.colocated}
     return GatewayIngress.options(
         num_replicas=config.ingress_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         # A redeploy (say, a model added) starts the new ingress replicas before the old ones
         # stop, so requests never find no ingress.
         max_surge_percent=100,
-        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        ray_actor_options=config.ingress_actor_options(),
     ).bind(engines, config)
 
 

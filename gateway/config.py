@@ -94,12 +94,25 @@ with rate limits). ``ingress_num_cpus``
         if unknown or not self.protocols or len(set(self.protocols)) != len(self.protocols):
             raise ValueError(f"protocols must be distinct names from {list(PROTOCOLS)}, got "
                              f"{self.protocols}")
+        colocated = [m.name for m in self.models if m.colocated]
+        if len(colocated) > 1:  # two engines in one process would fight over its cores / GPU
+            raise ValueError(f"at most one model can be colocated with the ingress, got "
+                             f"{colocated}")
         dangling = sorted(set(self.aliases.values()) - set(names))
         if dangling:
             raise ValueError(f"aliases point at models that are not served: {dangling}")
         if self.tgi_model is not None and self.tgi_model not in {*names, *self.aliases}:
             raise ValueError(f"tgi_model {self.tgi_model!r} is not a served model or alias")
 
+    def ingress_actor_options(self) -> dict[str, Any]:
+        """The ingress replica's Ray options: its own CPUs plus a colocated model's needs."""
+        options: dict[str, Any] = {"num_cpus": self.ingress_num_cpus}
+        for model in self.models:
+            if model.colocated:
+                engine = model.actor_options()
+                options["num_cpus"] += engine.pop("num_cpus")
+                options.update(engine)
+        return options
 
     def keys(self) -> list[ApiKey]:
         """Every accepted key (none: the gateway is open)."""

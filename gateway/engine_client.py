@@ -45,7 +45,7 @@ from protocols.internal import (
     decode_events,
 )
 
-__all__ = ["ServeEngineClient"]
+__all__ = ["ServeEngineClient", "overloaded"]
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class ServeEngineClient:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         if self.max_pending is not None and self.pending >= self.max_pending:
-            yield _full(self.model)
+            yield overloaded(self.model)
             return
         if not await self.available():
             yield self._no_replica().event()
@@ -242,7 +242,7 @@ class ServeEngineClient:
 
     def _failure(self, request_id: str, exc: Exception) -> ErrorEvent:
         if isinstance(exc, BackPressureError):
-            return _full(self.model)
+            return overloaded(self.model)
         log.warning("engine call %s for %s failed: %r", request_id, self.model, exc)
         if isinstance(exc, _REPLICA_GONE):
             self._mark_suspect()
@@ -296,6 +296,6 @@ class ServeEngineClient:
         return await self._call("stats", "stats")
 
 
-def _full(model: str) -> ErrorEvent:
+def overloaded(model: str) -> ErrorEvent:
     return ErrorEvent(kind="overloaded",
                       message=f"model `{model}` has too many requests queued; retry later")

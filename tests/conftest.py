@@ -3,6 +3,7 @@
 import pytest
 
 from tests.serve_session import (
+    colocated_url,
     engine_handle,
     gateway_url,
     logprob_tolerance,
@@ -10,7 +11,8 @@ from tests.serve_session import (
     pipeline_url,
 )
 
-__all__ = ["engine_handle", "gateway_url", "logprob_tolerance", "pipeline_handle", "pipeline_url"]
+__all__ = ["colocated_url", "engine_handle", "gateway_url", "logprob_tolerance", "pipeline_handle",
+           "pipeline_url"]
 
 
 def pytest_collection_modifyitems(items):

@@ -93,6 +93,28 @@ def pipeline_url(gateway_url):
     return url
 
 
+# The embedded model colocated with its ingress (ModelConfig.colocated: the engine inside the
+# ingress replica), in a third application: the same model as the session's, so the session's
+# own engine replica is the oracle.
+COLOCATED_MODEL = f"{EMBEDDED_MODEL_NAME}-colocated"
+COLOCATED_APP = "colocated"
+
+
+@pytest.fixture(scope="session")
+def colocated_url(gateway_url):
+    from ray import serve
+
+    from gateway.app import build_app
+
+    config = GatewayConfig(models=[ModelConfig(name=COLOCATED_MODEL, colocated=True,
+                                               num_cpus=0.1)],
+                           ingress_num_cpus=0.1, max_request_bytes=MAX_REQUEST_BYTES)
+    serve.run(build_app(config), name=COLOCATED_APP, route_prefix=f"/{COLOCATED_APP}")
+    url = f"{gateway_url}/{COLOCATED_APP}"
+    _wait_healthy(url, "the colocated gateway")
+    return url
+
+
 @pytest.fixture(scope="session")
 def pipeline_handle(pipeline_url):
     from ray import serve

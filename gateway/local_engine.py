@@ -1,0 +1,71 @@
+"""A model's engine inside the ingress replica itself (``ModelConfig.colocated``).
+
+Tokens then go from the engine to the protocol encoders in the same event loop: no Ray call
+per streamed batch, no msgpack round trip, no second process touching every token. What the
+Serve path adds on top of the engine contract applies here too: the default deadline and the
+bound on generations in flight (beyond it: refused as overloaded at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import msgspec
+
+from engines.config import ModelConfig
+from engines.host import EngineHost
+from engines.kinds import create_engine
+from gateway.engine_client import overloaded
+from protocols.internal import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
+
+__all__ = ["LocalEngineClient"]
+
+
+class LocalEngineClient:
+    """:class:`protocols.internal.EngineClient` over an :class:`EngineHost` in this process."""
+
+    def __init__(self, host: EngineHost, model: str, *, request_timeout_s: float | None = None,
+                 max_pending: int | None = None):
+        self.host = host
+        self.model = model
+        self.request_timeout_s = request_timeout_s
+        self.max_pending = max_pending
+        self.pending = 0
+
+    @classmethod
+    def start(cls, config: ModelConfig, **options) -> LocalEngineClient:
+        return cls(EngineHost(create_engine(config)), config.name, **options)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        if self.max_pending is not None and self.pending >= self.max_pending:
+            yield overloaded(self.model)
+            return
+        if request.timeout_s is None and self.request_timeout_s is not None:
+            request = msgspec.structs.replace(request, timeout_s=self.request_timeout_s)
+        self.pending += 1
+        try:
+            # Closing this generator (client gone) closes the host's, which aborts the request.
+            async with aclosing(self.host.generate(request)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.pending -= 1
+
+    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        return await self.host.tokenize(prompt)
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
+        return await self.host.detokenize(token_ids)
+
+    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        return await self.host.detokenize_each(token_ids)
+
+    async def model_info(self) -> ModelInfo:
+        return await self.host.model_info()
+
+    async def check_health(self) -> None:
+        await self.host.check_health()
+
+    async def stats(self) -> EngineStats:
+        return await self.host.stats()
