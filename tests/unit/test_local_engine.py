@@ -112,3 +112,20 @@ def test_a_client_disconnect_through_the_app_aborts_the_engine_request():
             time.sleep(0.02)
     assert engine.cancelled == [engine.requests[0].request_id]
     assert asyncio.run(client.stats()).active == 0
+
+
+def test_the_colocated_serve_config_binds_no_engine_deployment():
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from gateway.app import build_app
+
+    root = Path(__file__).resolve().parents[2]
+    serve_config = yaml.safe_load((root / "serve_config.colocated.yaml").read_text())
+    ServeDeploySchema.model_validate(serve_config)
+    args = serve_config["applications"][0]["args"]
+    ingress = build_app(args)._bound_deployment
+    assert ingress.init_args[0] == {}  # no engine deployment: the ingress hosts the engine
+    assert ingress._replica_config.ray_actor_options["num_cpus"] == 0.25 + 0.5
