@@ -113,7 +113,10 @@ class EngineHost:
             finished = True
         finally:
             self.active.discard(request_id)
-            if not finished:
+            # A consumer that stops pulling once it has every choice's end (the colocated
+            # ingress does) closes the generator before the engine's stream is exhausted:
+            # nothing was cut short then, so it is no abort.
+            if not finished and progress.open:
                 self.aborted += 1
 
 
@@ -151,6 +154,8 @@ class _Progress:
                 choice.sampled += 1
         elif isinstance(event, FinalEvent):
             self.open.pop(event.index, None)
+        elif isinstance(event, ErrorEvent):  # ends the whole stream
+            self.open.clear()
         elif isinstance(event, (BacktrackEvent, ForkEvent)):
             if not splice_allowed(event, self.splices):
                 return splice_refusal(event)

@@ -241,3 +241,14 @@ def client_for():
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
     return make
+
+
+async def test_closing_after_the_last_final_event_is_no_abort():
+    engine = FakeEngine()
+    stream = engine.generate(_request(rid="done", max_tokens=3, ignore_eos=True))
+    async for event in stream:
+        if isinstance(event, FinalEvent):
+            break  # every choice has ended; the consumer stops before the stream does
+    await stream.aclose()
+    stats = await engine.stats()
+    assert (stats.active, stats.aborted) == (0, 0)
