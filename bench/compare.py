@@ -15,7 +15,10 @@ own cost dominates. ``--hog`` runs one busy process pinned to CPU 0 beside every
     python bench/compare.py [--models embedded,tiny] [--targets bare,gateway,serve-llm]
                             [--concurrency 1,16,64] [--rounds 3] [--hog]
 
-Results land in ``bench/results/``: ``compare.json`` (every measurement) and ``summary.md``.
+Targets: ``bare``, ``gateway`` (the default layout), ``gateway-colocated-haproxy`` (the
+fastest: ``serve_config.colocated.yaml``'s layout behind HAProxy), ``serve-llm`` (Ray Serve
+LLM), and the Serve-setting variants in ``STARTERS``. Results land in ``bench/results/``:
+``compare.json`` (every measurement) and ``summary.md``.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from gateway import serve_env  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 PORTS = {"bare": 8100, "gateway": 8000, "gateway-haproxy": 8000, "serve-llm": 8200,
          "gateway-samethread": 8000, "gateway-grpc": 8000, "gateway-tput": 8000,
-         "gateway-colocated": 8000, "gateway-colocated-grpc": 8000}
+         "gateway-colocated": 8000, "gateway-colocated-grpc": 8000,
+         "gateway-colocated-haproxy": 8000}
 TINY_NAME = "tiny-random-llama"
 # The tiny model's positions stop at 512; the embedded model keeps the gateway's default.
 TINY_OVERRIDES = {"max_model_len": 512}
@@ -139,11 +143,13 @@ def _serve_gateway(model: str, model_dir: str, overrides: dict,
                             stdout=subprocess.DEVNULL)
 
 
-def _serve_gateway_haproxy(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
-    # Ray Serve's HAProxy ingress: HAProxy on the public port forwards straight to the ingress
-    # replica's own HTTP server (direct ingress), no Serve proxy actor in the token path.
-    return _serve_gateway(model, model_dir, overrides, {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"})
+# Ray Serve's HAProxy ingress: HAProxy (the Debian package) on the public port forwards straight
+# to the ingress replica's own HTTP server (direct ingress), no Serve proxy actor in the path.
+# The settings LLM_GATEWAY_INGRESS=haproxy selects (gateway/serve_env.py).
+def _serve_gateway_haproxy(model: str, model_dir: str, overrides: dict,
+                           colocated: bool = False) -> subprocess.Popen:
+    return _serve_gateway(model, model_dir, overrides, serve_env.HAPROXY_ENV,
+                          colocated=colocated)
 
 
 def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
@@ -183,6 +189,10 @@ STARTERS = {"bare": _serve_bare, "gateway": _serve_gateway,
             "gateway-colocated-grpc": functools.partial(_serve_gateway, colocated=True,
                                                         env=VARIANTS["gateway-grpc"]),
             "gateway-haproxy": _serve_gateway_haproxy, "serve-llm": _serve_llm,
+            # Both: HTTP, protocol layer and engine client in one process (what bare vLLM's
+            # API server is), HAProxy in front.
+            "gateway-colocated-haproxy": functools.partial(_serve_gateway_haproxy,
+                                                           colocated=True),
             **{name: functools.partial(_serve_gateway, env=env) for name, env in VARIANTS.items()}}
 
 

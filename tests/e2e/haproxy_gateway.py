@@ -1,0 +1,159 @@
+"""Run as a program (``python -m tests.e2e.haproxy_gateway``) by ``test_haproxy_e2e.py``: the
+fastest single-model layout, ``serve_config.colocated.yaml`` behind Ray Serve's HAProxy
+ingress (``LLM_GATEWAY_INGRESS=haproxy``), in a Ray instance of its own (these settings are
+read when Serve starts, so the test session's instance cannot have them). It asks the gateway
+on every protocol through HAProxy's public port, drops a stream mid-way, and prints one
+``RESULT`` JSON line; the test compares the texts with vLLM's own output from the session's
+engine replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+
+import httpx
+
+PROMPT = "The capital of France is"
+TOKENS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listeners(port: int) -> list[str]:
+    """Names of the processes listening on ``port`` (HAProxy, or Serve's proxy worker)."""
+    import psutil
+
+    names = []
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                   for c in proc.net_connections("tcp")):
+                names.append(proc.info["name"])
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
+    return names
+
+
+async def _lmtp(url: str, model: str, prompt_ids: list[int]) -> list[int]:
+    import websockets
+
+    async with websockets.connect(url.replace("http://", "ws://") + "/") as ws:
+        await ws.send("GENERATE " + json.dumps({"model": model, "prompt": prompt_ids,
+                                                "stream_id": 1, "max_tokens": TOKENS,
+                                                "temperature": 0}))
+        tokens: list[int] = []
+        while True:
+            kind, _, body = (await asyncio.wait_for(ws.recv(), 120)).partition(" ")
+            assert kind == "TOKEN", (kind, body)
+            for item in json.loads(body):
+                assert item.get("error") is None, item
+                tokens.append(item["token"])
+                if item.get("finish_reason"):
+                    return tokens
+
+
+def _asks(url: str, model: str) -> dict:
+    from huggingface_hub import InferenceClient
+    from openai import OpenAI
+
+    out: dict = {}
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    out["openai"] = client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS,
+                                              temperature=0).choices[0].text
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS,
+                                       temperature=0, stream=True)
+    out["openai_stream"] = "".join(c.choices[0].text for c in stream if c.choices)
+    # Held in a name: the client closes its open streams when it is collected.
+    tgi = InferenceClient(model=url, timeout=120)
+    out["tgi_stream"] = "".join(tgi.text_generation(PROMPT, max_new_tokens=TOKENS, stream=True))
+    with httpx.Client(base_url=url, timeout=120) as http:
+        out["mindie"] = http.post(f"/v2/models/{model}/generate", json={
+            "text_input": PROMPT, "parameters": {"max_new_tokens": TOKENS}}).json()["text_output"]
+        out["lmi"] = http.post("/invocations", json={
+            "inputs": PROMPT, "parameters": {"max_new_tokens": TOKENS, "do_sample": False}}
+        ).json()["generated_text"]
+        prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+        out["prompt_ids"] = prompt_ids
+        out["lmtp_tokens"] = asyncio.run(_lmtp(url, model, prompt_ids))
+        unknown = http.post("/v1/completions", json={"model": "no-such", "prompt": "x"})
+        out["unknown_model"] = [unknown.status_code, sorted(unknown.json())]
+        out["disconnect"] = _disconnect(http, model)
+    return out
+
+
+def _disconnect(http: httpx.Client, model: str) -> dict:
+    """A stream dropped after its first event: the colocated engine request is aborted."""
+    def stats() -> dict:
+        return http.get("/gateway/engines").json()[model]
+
+    before = stats()["aborted"]
+    with http.stream("POST", "/v1/completions", json={
+            "model": model, "prompt": PROMPT, "max_tokens": 400, "stream": True,
+            "ignore_eos": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # leaving the block drops the connection mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and stats()["aborted"] == before:
+        time.sleep(0.2)
+    now = stats()
+    return {"aborted_before": before, "aborted_after": now["aborted"], "active": now["active"]}
+
+
+def main() -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.pop("RAY_ADDRESS", None)
+    from gateway import serve_env
+
+    os.environ[serve_env.INGRESS_VAR] = "haproxy"
+    serve_env.apply()
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    from engines.config import ModelConfig
+    from engines.embedded import EMBEDDED_MODEL_NAME
+    from gateway.app import build_app
+    from gateway.config import GatewayConfig
+
+    model = EMBEDDED_MODEL_NAME
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = GatewayConfig(models=[ModelConfig(name=model, colocated=True, num_cpus=0.5)],
+                               ingress_num_cpus=0.1)
+        serve.run(build_app(config), name="gateway", route_prefix="/")
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the HAProxy gateway did not become healthy in 600 s")
+            time.sleep(1)
+        result = {"asks": _asks(url, model), "listeners": _listeners(port),
+                  "actors": sorted({a.class_name for a in list_actors(
+                      filters=[("state", "=", "ALIVE")], limit=1000)}),
+                  "deployments": sorted(serve.status().applications["gateway"].deployments)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
