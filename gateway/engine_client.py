@@ -45,7 +45,7 @@ from protocols.internal import (
     decode_events,
 )
 
-__all__ = ["ServeEngineClient", "overloaded"]
+__all__ = ["ServeEngineClient", "overloaded", "with_default_deadline"]
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,7 @@ class ServeEngineClient:
             self.pending -= 1
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        if request.timeout_s is None and self.request_timeout_s is not None:
-            request = msgspec.structs.replace(request, timeout_s=self.request_timeout_s)
+        request = with_default_deadline(request, self.request_timeout_s)
         # A replica that died before sending anything is retried once: nothing reached the
         # client, and Serve's router, having seen the death, picks another replica (with two
         # replicas a killed one costs no failed new request).
@@ -294,6 +293,13 @@ class ServeEngineClient:
 
     async def stats(self) -> EngineStats:
         return await self._call("stats", "stats")
+
+
+def with_default_deadline(request: GenerateRequest, timeout_s: float | None) -> GenerateRequest:
+    """``request`` with the gateway's default deadline where the client set none."""
+    if request.timeout_s is None and timeout_s is not None:
+        return msgspec.structs.replace(request, timeout_s=timeout_s)
+    return request
 
 
 def overloaded(model: str) -> ErrorEvent:

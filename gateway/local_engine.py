@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-import msgspec
-
 from engines.config import ModelConfig
 from engines.host import EngineHost
 from engines.kinds import create_engine
-from gateway.engine_client import overloaded
+from gateway.engine_client import overloaded, with_default_deadline
 from protocols.internal import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
 
 __all__ = ["LocalEngineClient"]
@@ -41,8 +39,7 @@ class LocalEngineClient:
         if self.max_pending is not None and self.pending >= self.max_pending:
             yield overloaded(self.model)
             return
-        if request.timeout_s is None and self.request_timeout_s is not None:
-            request = msgspec.structs.replace(request, timeout_s=self.request_timeout_s)
+        request = with_default_deadline(request, self.request_timeout_s)
         self.pending += 1
         try:
             # Closing this generator (client gone) closes the host's, which aborts the request.
