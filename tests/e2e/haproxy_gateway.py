@@ -11,19 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 
 import httpx
 
+from tests.e2e.cluster_models import _free_port, _wait
+
 PROMPT = "The capital of France is"
 TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listeners(port: int) -> list[str]:
@@ -134,16 +129,8 @@ def main() -> None:
         config = GatewayConfig(models=[ModelConfig(name=model, colocated=True, num_cpus=0.5)],
                                ingress_num_cpus=0.1)
         serve.run(build_app(config), name="gateway", route_prefix="/")
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the HAProxy gateway did not become healthy in 600 s")
-            time.sleep(1)
+        _wait(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
+              "the HAProxy gateway healthy", timeout_s=600)
         result = {"asks": _asks(url, model), "listeners": _listeners(port),
                   "actors": sorted({a.class_name for a in list_actors(
                       filters=[("state", "=", "ALIVE")], limit=1000)}),
