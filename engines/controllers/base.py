@@ -1,0 +1,134 @@
+"""What a controller is: one sequence's per-step hook, in the seed's three phases (ABI v1).
+
+The runtime (``engines/controllers/runtime.py``) calls, per engine step and per sequence:
+
+- ``pre_process()`` before scheduling: suspend this step, fork into N, stop (``num_forks=0``),
+  or force tokens (``ff_tokens``, appended without sampling);
+- ``mid_process()`` while the engine computes logits: which tokens may be sampled (``None`` =
+  any), returned rather than written so a call that overruns its time bound cannot touch the
+  next step's rows;
+- ``post_process(tokens, backtrack)`` after sampling: the tokens appended (sampled or forced),
+  after ``backtrack`` were removed; ``True`` stops the sequence.
+
+Controllers are trusted Python classes registered by name (built-ins in
+``engines/controllers/builtin.py``; operators add theirs in the Serve config). A fork is a deep
+copy; forks of one request share its variables (``ControllerContext.get_var`` / ``set_var``),
+which the runtime reports as the seed's ``storage`` ``WriteVar`` entries.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["Controller", "ControllerContext", "ControllerError", "PreResult", "TokenizerInfo",
+           "Variables"]
+
+
+class ControllerError(Exception):
+    """The user's controller argument or program is wrong: reported as a user error (the
+    sequence fails with this message, in the protocol's shape); anything else a controller
+    raises is a controller failure."""
+
+
+class TokenizerInfo(Protocol):
+    """What controllers may know of the model's tokenizer."""
+
+    vocab_size: int  # rows of the logits (the model's, which may exceed the tokenizer's)
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: list[int]) -> bytes: ...
+
+
+@dataclass
+class PreResult:
+    suspend: bool = False
+    num_forks: int = 1
+    ff_tokens: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"suspend": self.suspend, "num_forks": self.num_forks,
+                "ff_tokens": list(self.ff_tokens)}
+
+
+class Variables:
+    """A request's shared variables (all its forks see the same), with a version per name so
+    a ``Wait`` can tell a write from none."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, bytes] = {}
+        self._versions: dict[str, int] = {}
+
+    def get(self, name: str) -> bytes | None:
+        return self._values.get(name)
+
+    def version(self, name: str) -> int:
+        return self._versions.get(name, 0)
+
+    def write(self, name: str, value: bytes, append: bool) -> None:
+        self._values[name] = self._values.get(name, b"") + value if append else value
+        self._versions[name] = self._versions.get(name, 0) + 1
+
+
+class ControllerContext:
+    """Per sequence: the tokenizer, the request's variables, and what the current call logged
+    and stored (drained into that call's ``SequenceResult``)."""
+
+    def __init__(self, tokenizer: TokenizerInfo, variables: Variables) -> None:
+        self.tokenizer = tokenizer
+        self.variables = variables
+        self._logs: list[str] = []
+        self._storage: list[dict] = []
+
+    def log(self, text: str) -> None:
+        self._logs.append(text if text.endswith("\n") else text + "\n")
+
+    def get_var(self, name: str) -> bytes | None:
+        return self.variables.get(name)
+
+    def set_var(self, name: str, value: bytes | str, append: bool = False) -> None:
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        self.variables.write(name, raw, append)
+        self._storage.append({"WriteVar": {"name": name, "value": raw.hex(),
+                                           "op": "Append" if append else "Set",
+                                           "when_version_is": None}})
+
+    def drain(self) -> tuple[str, list[dict]]:
+        logs, storage = "".join(self._logs), self._storage
+        self._logs, self._storage = [], []
+        return logs, storage
+
+    def forked(self) -> ControllerContext:
+        """The context of a fork: same tokenizer and variables, its own logs."""
+        return ControllerContext(self.tokenizer, self.variables)
+
+
+class Controller:
+    """Base class: plain generation (every token allowed, never stops on its own)."""
+
+    def __init__(self, ctx: ControllerContext, arg: str, prompt: list[int]) -> None:
+        self.ctx = ctx
+        self.arg = arg
+        self.prompt = list(prompt)
+
+    def pre_process(self) -> PreResult:
+        return PreResult()
+
+    def mid_process(self) -> np.ndarray | None:
+        """``None`` (no constraint) or a boolean array of allowed token ids (``vocab_size``
+        long, or the tokenizer's length; ids past it are banned)."""
+        return None
+
+    def post_process(self, tokens: list[int], backtrack: int) -> bool:
+        return False
+
+    def fork(self, ctx: ControllerContext) -> Controller:
+        """A copy for a new fork of this sequence, with the fork's context."""
+        memo: dict[int, Any] = {id(self.ctx): ctx, id(self.ctx.variables): ctx.variables,
+                                id(self.ctx.tokenizer): ctx.tokenizer}
+        return copy.deepcopy(self, memo)

@@ -1,0 +1,409 @@
+"""The controller runtime: the seed's commands, answered for the live controllers of one engine.
+
+``ControllerRuntime.handle_main`` answers the main channel (``ping``, ``tokens``,
+``post_pre_process``, ``mid_process``) and ``handle_side`` the side channel (``instantiate``,
+``set_tags``, ``get_tags``, ``mk_module``) exactly in the seed's JSON shapes
+(``../shared/seeds/aicirt-protocol.txt``); ``engines/controllers/shm.py`` carries them. The
+runtime knows nothing of Ray or vLLM, so it is tested directly and over shared memory.
+
+Time bounds (aicirt's, ``../shared/specs/aici.md`` §5): every controller call runs on a worker
+thread and the step waits for it at most ``Limits.step_s``. A ``mid_process`` that overruns
+leaves its row all-allowed (a no-op step, logged), and ``Limits.max_timeout_steps`` of those in a
+row fail the sequence; ``pre_process`` / ``post_process`` change the controller's state, so one
+that overruns fails the sequence at once (its late effect could not be undone). A call still
+running from an earlier step is not started again: that step counts as another timeout. Other
+sequences' rows are never held up beyond the bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engines.controllers.base import (
+    Controller,
+    ControllerContext,
+    ControllerError,
+    TokenizerInfo,
+    Variables,
+)
+from engines.controllers.shm import BiasMatrix, error_reply, ok_reply
+
+__all__ = ["ControllerFactory", "ControllerRuntime", "Limits", "module_id_of"]
+
+ControllerFactory = Callable[[ControllerContext, str, list[int]], Controller]
+_TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_HEX = re.compile(r"^[0-9a-fA-F]+$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    step_s: float = 0.025  # aicirt's --wasm-max-step-time default
+    init_s: float = 1.0  # --wasm-max-init-time
+    max_timeout_steps: int = 10  # --wasm-max-timeout-steps
+    max_forks: int = 16  # --wasm-max-forks, per request
+    max_arg_bytes: int = 1 << 20  # controller_arg, and the prompt as given
+    max_pending: int = 1024  # instantiated and not yet bound to a sequence
+    pending_ttl_s: float = 600.0  # ... dropped after this long (the request never ran)
+    workers: int = 8
+
+
+def module_id_of(factory: ControllerFactory) -> str:
+    """A built-in's module id: sha256 hex, like a Wasm module's, of its import path."""
+    path = f"{factory.__module__}:{getattr(factory, '__qualname__', repr(factory))}"
+    return hashlib.sha256(path.encode()).hexdigest()
+
+
+class _Seq:
+    __slots__ = ("controller", "ctx", "failed", "forks", "req_id", "running", "stopped",
+                 "timeouts")
+
+    def __init__(self, req_id: str, controller: Controller, ctx: ControllerContext,
+                 forks: list[int]) -> None:
+        self.req_id = req_id
+        self.controller = controller
+        self.ctx = ctx
+        self.forks = forks  # ids of the request's live sequences, shared by its forks
+        self.running: Future | None = None
+        self.timeouts = 0
+        self.failed = ""
+        self.stopped = False
+
+
+@dataclass
+class _Pending:
+    controller: Controller
+    ctx: ControllerContext
+    created: float
+
+
+_TIMEOUT = object()
+
+
+class ControllerRuntime:
+    def __init__(self, tokenizer: TokenizerInfo, controllers: dict[str, ControllerFactory],
+                 bias: BiasMatrix | None = None, limits: Limits = Limits()) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._bias = bias
+        self._pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="aici-ctrl")
+        self._lock = threading.Lock()  # _pending and _tags: the side channel's thread too
+        self._modules: dict[str, ControllerFactory] = {}
+        self._tags: dict[str, dict] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._seqs: dict[int, _Seq] = {}
+        started = int(time.time())
+        for tag, factory in controllers.items():
+            module_id = module_id_of(factory)
+            self._modules[module_id] = factory
+            self._tags[tag] = {"tag": tag, "module_id": module_id, "updated_at": started,
+                               "updated_by": "builtin", "wasm_size": 0, "compiled_size": 0}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- main channel -----------------------------------------------------------------------
+
+    def handle_main(self, cmd: dict) -> dict:
+        op = cmd["op"]
+        if op == "ping":
+            return ok_reply({"pong": 1})
+        if op == "tokens":
+            return ok_reply({"vocab_size": self.tokenizer.vocab_size})
+        if op == "post_pre_process":
+            return ok_reply(self._post_pre_process(cmd.get("post_ops") or [],
+                                                   cmd.get("pre_ops") or [],
+                                                   cmd.get("freed") or []))
+        if op == "mid_process":
+            return ok_reply(self._mid_process(cmd.get("ops") or []))
+        return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
+
+    def _post_pre_process(self, post_ops: list, pre_ops: list, freed: list) -> dict:
+        for seq_id in freed:
+            seq = self._seqs.pop(int(seq_id), None)
+            if seq is not None and int(seq_id) in seq.forks:
+                seq.forks.remove(int(seq_id))
+        post: dict[str, dict] = {}
+        calls = {}
+        for op in post_ops:
+            seq_id = int(op["id"])
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                post[str(seq_id)] = _record(None, None, f"unknown sequence {seq_id}", 0)
+                continue
+            if seq.failed or seq.stopped:
+                continue
+            tokens, backtrack = list(op.get("tokens") or []), int(op.get("backtrack") or 0)
+            calls[seq_id] = (seq, _bind(seq.controller.post_process, tokens, backtrack))
+        for seq_id, (value, error, micros) in self._run(calls, stateful=True).items():
+            seq = self._seqs[seq_id]
+            seq.stopped = bool(value) and not error
+            post[str(seq_id)] = _record(seq, None if error else {"stop": seq.stopped}, error,
+                                        micros)
+        pre: dict[str, dict] = {}
+        for op in pre_ops:
+            seq_id, req_id = int(op["id"]), str(op["req_id"])
+            with self._lock:
+                pending = self._pending.pop(req_id, None)
+            if pending is None:
+                pre[str(seq_id)] = _record(None, None, f"no instantiated controller for "
+                                                       f"{req_id!r}", 0)
+            elif seq_id in self._seqs:
+                pre[str(seq_id)] = _record(None, None, f"sequence {seq_id} is already bound", 0)
+            else:
+                self._seqs[seq_id] = _Seq(req_id, pending.controller, pending.ctx, [seq_id])
+        calls = {seq_id: (seq, seq.controller.pre_process) for seq_id, seq in self._seqs.items()
+                 if not (seq.failed or seq.stopped)}
+        for seq_id, (value, error, micros) in self._run(calls, stateful=True).items():
+            seq = self._seqs[seq_id]
+            result = None
+            if not error:
+                if value.num_forks > 1 and len(seq.forks) - 1 + value.num_forks > \
+                        self.limits.max_forks:
+                    error = (f"{len(seq.forks) - 1 + value.num_forks} forks exceed the limit of "
+                             f"{self.limits.max_forks} per request")
+                    seq.failed = error
+                else:
+                    result = value.to_json()
+                    seq.stopped = value.num_forks == 0
+            pre[str(seq_id)] = _record(seq, result, error, micros)
+        return {"post_seqs": post, "pre_seqs": pre}
+
+    def _mid_process(self, ops: list) -> dict:
+        vocab = self.tokenizer.vocab_size
+        rows = self._bias.rows(len(ops), vocab) if self._bias is not None else None
+        if rows is not None:
+            rows[:] = 0.0
+        seqs: dict[str, dict] = {}
+        calls = {}
+        for i, op in enumerate(ops):
+            seq_id, clone_id = int(op["id"]), op.get("clone_id")
+            if clone_id is not None and seq_id not in self._seqs:
+                parent = self._seqs.get(int(clone_id))
+                if parent is None:
+                    seqs[str(seq_id)] = _record(None, None, f"unknown parent {clone_id}", 0)
+                    continue
+                ctx = parent.ctx.forked()
+                child = _Seq(parent.req_id, parent.controller.fork(ctx), ctx, parent.forks)
+                parent.forks.append(seq_id)
+                self._seqs[seq_id] = child
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                seqs[str(seq_id)] = _record(None, None, f"unknown sequence {seq_id}", 0)
+            elif seq.failed:
+                seqs[str(seq_id)] = _record(seq, None, seq.failed, 0)
+            else:
+                calls[i] = (seq, seq.controller.mid_process)
+        for i, (value, error, micros) in self._run(calls, stateful=False).items():
+            seq = calls[i][0]
+            if not error and value is not None and rows is not None:
+                try:
+                    _apply_allowed(rows[i], value)
+                except (TypeError, ValueError) as exc:
+                    error = seq.failed = f"mid_process returned an unusable mask: {exc}"
+            seqs[str(ops[i]["id"])] = _record(seq, None, error, micros)
+        del rows  # no view of the bias buffer outlives the step
+        return {"seqs": seqs, "num_seqs": len(ops)}
+
+    def _run(self, calls: dict[Any, tuple[_Seq, Callable[[], Any]]],
+             stateful: bool) -> dict[Any, tuple[Any, str, int]]:
+        """Run each call on the pool, wait at most one step bound for all of them together."""
+        out: dict[Any, tuple[Any, str, int]] = {}
+        futures: dict[Any, Future] = {}
+        for key, (seq, call) in calls.items():
+            if seq.running is not None and not seq.running.done():
+                out[key] = self._timed_out(seq, stateful, still_running=True)
+                continue
+            seq.running = futures[key] = self._pool.submit(_timed, call)
+        if futures:
+            wait_all(futures.values(), timeout=self.limits.step_s)
+        for key, fut in futures.items():
+            seq = calls[key][0]
+            if not fut.done():
+                out[key] = self._timed_out(seq, stateful, still_running=False)
+                continue
+            seq.running = None
+            seq.timeouts = 0
+            value, error, micros = fut.result()
+            if error:
+                seq.failed = error
+            out[key] = (value, error, micros)
+        return out
+
+    def _timed_out(self, seq: _Seq, stateful: bool, still_running: bool) -> tuple[Any, str, int]:
+        bound = f"{self.limits.step_s * 1000:g} ms"
+        if stateful:
+            seq.failed = f"controller step took longer than {bound}"
+            return None, seq.failed, int(self.limits.step_s * 1e6)
+        seq.timeouts += 1
+        if seq.timeouts >= self.limits.max_timeout_steps:
+            seq.failed = (f"controller took longer than {bound} in "
+                          f"{seq.timeouts} steps in a row")
+            return None, seq.failed, int(self.limits.step_s * 1e6)
+        seq.ctx.log(f"timeout: mid_process {'still running' if still_running else 'over'} "
+                    f"{bound}; this step is unconstrained")
+        return None, "", int(self.limits.step_s * 1e6)
+
+    # --- side channel -----------------------------------------------------------------------
+
+    def handle_side(self, request: dict, reply: Callable[[dict], None]) -> None:
+        op = request["op"]
+        auth = request.get("$auth") or {"user": "localhost", "is_admin": True}
+        if op == "instantiate":
+            # Building a controller may compile a grammar: off the side channel's thread, so
+            # other side requests are answered meanwhile (out of order, by $rid).
+            self._start_instantiate(request, reply)
+        elif op == "get_tags":
+            with self._lock:
+                tags = sorted(self._tags.values(), key=lambda t: t["updated_at"], reverse=True)
+            reply(ok_reply({"tags": tags}))
+        elif op == "set_tags":
+            reply(self._set_tags(request, auth))
+        elif op == "mk_module":
+            reply(error_reply("uploading Wasm modules is not supported by this runtime; use "
+                              f"one of the built-in controllers ({', '.join(self._tags)})",
+                              is_user_error=True))
+        else:
+            reply(error_reply(f"unknown side-channel op {op!r}", is_user_error=True))
+
+    def _set_tags(self, request: dict, auth: dict) -> dict:
+        module_id, tags = request.get("module_id"), request.get("tags")
+        if module_id not in self._modules:
+            return error_reply(f"unknown module_id {module_id!r}", is_user_error=True)
+        if not isinstance(tags, list) or not tags or not all(isinstance(t, str) for t in tags):
+            return error_reply("'tags' is a non-empty list of strings", is_user_error=True)
+        # Non-admins may only name tags under their own user name (``alice.mytag``).
+        prefix = "" if auth.get("is_admin") else f"{auth.get('user', '')}."
+        for tag in tags:
+            if len(tag) > 50 or not _TAG.match(tag) or (len(tag) > 20 and _HEX.match(tag)):
+                return error_reply(f"invalid tag name {tag!r}", is_user_error=True)
+            if not tag.startswith(prefix):
+                return error_reply(f"permission denied for tag name {tag!r}",
+                                   is_user_error=True)
+        now = int(time.time())
+        infos = [{"tag": tag, "module_id": module_id, "updated_at": now,
+                  "updated_by": str(auth.get("user", "")), "wasm_size": 0, "compiled_size": 0}
+                 for tag in tags]
+        with self._lock:
+            self._tags.update({info["tag"]: info for info in infos})
+        return ok_reply({"tags": infos})
+
+    def _start_instantiate(self, request: dict, reply: Callable[[dict], None]) -> None:
+        """Answer with the controller built, or with a timeout after ``Limits.init_s``,
+        whichever comes first; a controller finished after its timeout is dropped."""
+        first = threading.Lock()
+
+        def expire() -> None:
+            if first.acquire(blocking=False):
+                reply(error_reply(f"controller initialization took longer than "
+                                  f"{self.limits.init_s * 1000:g} ms", is_user_error=True))
+
+        def build() -> None:
+            answer = self._instantiate(request, first)
+            timer.cancel()
+            if answer is not None:
+                reply(answer)
+
+        timer = threading.Timer(self.limits.init_s, expire)
+        timer.daemon = True
+        timer.start()
+        self._pool.submit(build)
+
+    def _instantiate(self, request: dict, first: threading.Lock) -> dict | None:
+        """The answer, or None when the timeout answered first (nothing is kept then)."""
+        answer = self._build(request)
+        if not isinstance(answer, _Pending):
+            return answer if first.acquire(blocking=False) else None
+        req_id = request["req_id"]
+        now = time.monotonic()
+        with self._lock:
+            if not first.acquire(blocking=False):
+                return None
+            for key in [k for k, p in self._pending.items()
+                        if now - p.created > self.limits.pending_ttl_s]:
+                del self._pending[key]
+            if len(self._pending) >= self.limits.max_pending:
+                return error_reply("too many controllers waiting to start")
+            if req_id in self._pending:
+                return error_reply(f"req_id {req_id!r} is already instantiated",
+                                   is_user_error=True)
+            self._pending[req_id] = answer
+        logs, storage = answer.ctx.drain()
+        return ok_reply({"logs": logs, "storage": storage} if logs or storage else {})
+
+    def _build(self, request: dict) -> dict | _Pending:
+        req_id, module = request.get("req_id"), request.get("module_id")
+        arg, prompt = request.get("module_arg"), request.get("prompt", [])
+        if not isinstance(req_id, str) or not req_id:
+            return error_reply("'req_id' is a non-empty string", is_user_error=True)
+        with self._lock:
+            factory = self._modules.get(module) or self._modules.get(
+                (self._tags.get(module) or {}).get("module_id", ""))
+        if factory is None:
+            return error_reply(f"unknown controller {module!r}; known: "
+                               f"{', '.join(sorted(self._tags))}", is_user_error=True)
+        if arg is None:
+            arg = ""
+        elif not isinstance(arg, str):
+            arg = json.dumps(arg)
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt)
+        if len(arg) > self.limits.max_arg_bytes or len(prompt) > self.limits.max_arg_bytes:
+            return error_reply(f"controller argument or prompt over "
+                               f"{self.limits.max_arg_bytes} bytes", is_user_error=True)
+        ctx = ControllerContext(self.tokenizer, Variables())
+        try:
+            controller = factory(ctx, arg, list(prompt))
+        except ControllerError as exc:
+            return error_reply(str(exc), is_user_error=True)
+        except Exception as exc:  # a controller's own failure: the request fails, not us
+            return error_reply(f"{type(exc).__name__}: {exc}")
+        return _Pending(controller, ctx, time.monotonic())
+
+
+def _bind(fn: Callable, *args: Any) -> Callable[[], Any]:
+    return lambda: fn(*args)
+
+
+def _timed(call: Callable[[], Any]) -> tuple[Any, str, int]:
+    t0 = time.perf_counter()
+    try:
+        value, error = call(), ""
+    except ControllerError as exc:
+        value, error = None, str(exc)
+    except Exception as exc:  # a controller bug fails its sequence, not the runtime
+        value, error = None, f"{type(exc).__name__}: {exc}"
+    return value, error, int((time.perf_counter() - t0) * 1e6)
+
+
+def _record(seq: _Seq | None, result: Any, error: str, micros: int) -> dict:
+    """The seed's per-sequence ``SequenceResult``."""
+    logs, storage = seq.ctx.drain() if seq is not None else ("", [])
+    return {"error": error, "result": result, "storage": storage, "logs": logs,
+            "micros": micros}
+
+
+def _apply_allowed(row: np.ndarray, allowed: np.ndarray) -> None:
+    """Ban (``-inf``) every id ``allowed`` does not allow: a bool per id, or llguidance's
+    packed ``int32`` bitmask (bit ``t % 32`` of word ``t // 32``). Ids past it are banned."""
+    allowed = np.asarray(allowed)
+    if allowed.dtype == np.bool_:
+        bits = allowed
+    elif allowed.dtype in (np.int32, np.uint32):
+        bits = np.unpackbits(allowed.astype("<u4").view(np.uint8), bitorder="little")
+        bits = bits.astype(np.bool_)
+    else:
+        raise TypeError(f"expected bool or int32 bitmask, got {allowed.dtype}")
+    n = min(len(bits), len(row))
+    row[:n][~bits[:n]] = -np.inf
+    row[n:] = -np.inf

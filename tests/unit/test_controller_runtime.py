@@ -1,0 +1,397 @@
+"""The controller runtime (engines/controllers/runtime.py): the seed's commands against scripted
+controllers, llguidance's, and over the shared-memory transport.
+
+Shapes are checked against the seed's examples (``../shared/seeds/aicirt-protocol.txt``):
+``SequenceResult`` = ``error``, ``result``, ``storage``, ``logs``, ``micros``; sequence ids as
+strings; ``pre`` results ``suspend`` / ``num_forks`` / ``ff_tokens``; ``post`` results ``stop``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from engines.controllers.base import Controller, ControllerError, PreResult
+from engines.controllers.runtime import ControllerRuntime, Limits, module_id_of
+from engines.controllers.shm import BiasMatrix, MainClient, MainServer, SideClient, SideServer
+
+VOCAB = 64
+
+
+class FakeTokenizer:
+    vocab_size = VOCAB
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [b % VOCAB for b in text.encode()]
+
+    def decode(self, tokens: list[int]) -> bytes:
+        return bytes(tokens)
+
+
+class Scripted(Controller):
+    """arg = JSON-free mini script: ``allow=5`` (only token 5), ``ff=1,2``, ``forks=2``,
+    ``stop-after=3``, ``slow-mid=0.2``, ``slow-post=0.2``, ``raise-mid``, ``var=x``."""
+
+    def __init__(self, ctx, arg, prompt):
+        super().__init__(ctx, arg, prompt)
+        self.opts = dict(part.partition("=")[::2] for part in arg.split() if part)
+        if "bad" in self.opts:
+            raise ControllerError("bad program")
+        self.seen: list[int] = []
+        self.forked = False
+
+    def pre_process(self):
+        ff = [int(t) for t in self.opts.get("ff", "").split(",") if t] if not self.seen else []
+        forks = int(self.opts.get("forks", 1)) if not self.seen and not self.forked else 1
+        return PreResult(num_forks=forks, ff_tokens=ff)
+
+    def mid_process(self):
+        if "slow-mid" in self.opts:
+            time.sleep(float(self.opts["slow-mid"]))
+        if "raise-mid" in self.opts:
+            raise RuntimeError("controller bug")
+        if "allow" not in self.opts:
+            return None
+        allowed = np.zeros(VOCAB, dtype=bool)
+        allowed[int(self.opts["allow"])] = True
+        return allowed
+
+    def post_process(self, tokens, backtrack):
+        if "slow-post" in self.opts:
+            time.sleep(float(self.opts["slow-post"]))
+        if backtrack:
+            del self.seen[-backtrack:]
+        self.seen += tokens
+        if "var" in self.opts:
+            self.ctx.set_var(self.opts["var"], bytes(tokens), append=True)
+            self.ctx.log(f"wrote {tokens}")
+        return len(self.seen) >= int(self.opts.get("stop-after", 10**9))
+
+    def fork(self, ctx):
+        twin = super().fork(ctx)
+        twin.forked = True
+        return twin
+
+
+def _runtime(bias=None, **limits):
+    return ControllerRuntime(FakeTokenizer(), {"scripted": Scripted, "plain": Controller}, bias,
+                             Limits(**limits))
+
+
+def _side(rt, request):
+    got = []
+    done = threading.Event()
+    rt.handle_side(request, lambda answer: (got.append(answer), done.set()))
+    assert done.wait(5), "the side request was never answered"
+    return got[0]
+
+
+def _instantiate(rt, req_id, arg, module="scripted"):
+    answer = _side(rt, {"op": "instantiate", "$rid": "r", "req_id": req_id, "prompt": [1],
+                        "module_id": module, "module_arg": arg})
+    assert answer["type"] == "ok", answer
+    return answer
+
+
+def _step(rt, **cmd):
+    answer = rt.handle_main({"op": "post_pre_process", "post_ops": [], "pre_ops": [],
+                             "freed": [], **cmd})
+    assert answer["type"] == "ok"
+    return answer["data"]
+
+
+def _is_record(rec):
+    return set(rec) == {"error", "result", "storage", "logs", "micros"}
+
+
+def test_ping_tokens_and_unknown_ops():
+    rt = _runtime()
+    assert rt.handle_main({"op": "ping"}) == {"type": "ok", "data": {"pong": 1}}
+    assert rt.handle_main({"op": "tokens"}) == {"type": "ok", "data": {"vocab_size": VOCAB}}
+    bad = rt.handle_main({"op": "frobnicate"})
+    assert bad["type"] == "error" and bad["is_user_error"]
+
+
+def test_tags_list_set_and_the_non_admin_prefix_rule():
+    rt = _runtime()
+    tags = _side(rt, {"op": "get_tags", "$rid": "a"})["data"]["tags"]
+    assert {t["tag"] for t in tags} == {"scripted", "plain"}
+    assert all(set(t) == {"tag", "module_id", "updated_at", "updated_by", "wasm_size",
+                          "compiled_size"} for t in tags)
+    mod = module_id_of(Scripted)
+    assert len(mod) == 64 and int(mod, 16) >= 0
+    admin = {"user": "root", "is_admin": True}
+    alice = {"user": "alice", "is_admin": False}
+    ok = _side(rt, {"op": "set_tags", "$auth": admin, "module_id": mod, "tags": ["mine"]})
+    assert ok["data"]["tags"][0]["updated_by"] == "root"
+    denied = _side(rt, {"op": "set_tags", "$auth": alice, "module_id": mod, "tags": ["x"]})
+    assert denied["type"] == "error" and "permission denied" in denied["error"]
+    allowed = _side(rt, {"op": "set_tags", "$auth": alice, "module_id": mod,
+                         "tags": ["alice.x"]})
+    assert allowed["type"] == "ok"
+    for bad_tags in (["has space"], ["a" * 51], ["deadbeef" * 4], [], "notalist"):
+        answer = _side(rt, {"op": "set_tags", "$auth": admin, "module_id": mod,
+                            "tags": bad_tags})
+        assert answer["type"] == "error" and answer["is_user_error"], bad_tags
+    unknown = _side(rt, {"op": "set_tags", "$auth": admin, "module_id": "0" * 64,
+                         "tags": ["t"]})
+    assert "unknown module_id" in unknown["error"]
+    newest = _side(rt, {"op": "get_tags"})["data"]["tags"]
+    assert [t["updated_at"] for t in newest] == sorted((t["updated_at"] for t in newest),
+                                                      reverse=True)
+    assert {"mine", "alice.x"} <= {t["tag"] for t in newest}
+    # The instance runs under the new tag too.
+    _instantiate(rt, "run-tagged", "", module="alice.x")
+    wasm = _side(rt, {"op": "mk_module", "binary": "AGFzbQ=="})
+    assert wasm["type"] == "error" and "not supported" in wasm["error"]
+
+
+def test_instantiate_errors_are_user_errors_in_the_side_answer():
+    rt = _runtime(max_arg_bytes=100)
+    cases = {
+        "unknown": {"module_id": "nope"},
+        "program": {"module_id": "scripted", "module_arg": "bad=1"},
+        "size": {"module_id": "scripted", "module_arg": "x" * 101},
+        "req_id": {"module_id": "scripted", "req_id": ""},
+    }
+    for name, fields in cases.items():
+        answer = _side(rt, {"op": "instantiate", "req_id": f"run-{name}", "prompt": [1],
+                            **fields})
+        assert answer["type"] == "error" and answer["is_user_error"], name
+    assert "known: plain, scripted" in _side(rt, {"op": "instantiate", "req_id": "r",
+                                                  "module_id": "nope"})["error"]
+    _instantiate(rt, "run-dup", "")
+    dup = _side(rt, {"op": "instantiate", "req_id": "run-dup", "module_id": "scripted"})
+    assert "already instantiated" in dup["error"]
+
+
+def test_a_sequence_binds_forces_tokens_stops_and_is_freed():
+    rt = _runtime()
+    _instantiate(rt, "run-1", "ff=7,8 stop-after=3")
+    data = _step(rt, pre_ops=[{"id": 2, "req_id": "run-1"}])
+    assert data["post_seqs"] == {}
+    rec = data["pre_seqs"]["2"]
+    assert _is_record(rec) and rec["error"] == ""
+    assert rec["result"] == {"suspend": False, "num_forks": 1, "ff_tokens": [7, 8]}
+    data = _step(rt, post_ops=[{"id": 2, "tokens": [7, 8], "backtrack": 0}])
+    assert data["post_seqs"]["2"]["result"] == {"stop": False}
+    assert data["pre_seqs"]["2"]["result"]["ff_tokens"] == []
+    data = _step(rt, post_ops=[{"id": 2, "tokens": [9], "backtrack": 0}])
+    assert data["post_seqs"]["2"]["result"] == {"stop": True}
+    assert "2" not in data["pre_seqs"]  # stopped: the engine frees it next
+    data = _step(rt, freed=[2])
+    assert data == {"post_seqs": {}, "pre_seqs": {}}
+    missing = _step(rt, post_ops=[{"id": 2, "tokens": [1], "backtrack": 0}])
+    assert "unknown sequence 2" in missing["post_seqs"]["2"]["error"]
+    unbound = _step(rt, pre_ops=[{"id": 3, "req_id": "run-never"}])
+    assert "no instantiated controller" in unbound["pre_seqs"]["3"]["error"]
+
+
+def test_bias_rows_follow_the_order_of_mid_process_ops():
+    prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
+    bias = BiasMatrix(prefix, size=8 * VOCAB * 4, create=True)
+    try:
+        rt = _runtime(bias)
+        for i, allow in enumerate((5, 11, 42)):
+            _instantiate(rt, f"run-{i}", f"allow={allow}")
+        _instantiate(rt, "run-free", "")
+        _step(rt, pre_ops=[{"id": 10 + i, "req_id": f"run-{i}"} for i in range(3)]
+              + [{"id": 20, "req_id": "run-free"}])
+        order = [12, 20, 10, 11]
+        answer = rt.handle_main({"op": "mid_process",
+                                 "ops": [{"id": i, "clone_id": None} for i in order]})
+        assert answer["type"] == "ok"
+        data = answer["data"]
+        assert data["num_seqs"] == 4 and set(data["seqs"]) == {"10", "11", "12", "20"}
+        assert all(_is_record(r) and r["result"] is None for r in data["seqs"].values())
+        rows = bias.rows(4, VOCAB)
+        assert int(np.argmax(rows[0])) == 42 and np.isneginf(rows[0]).sum() == VOCAB - 1
+        assert (rows[1] == 0).all()  # no constraint: every token allowed
+        assert int(np.argmax(rows[2])) == 5 and int(np.argmax(rows[3])) == 11
+        del rows
+    finally:
+        bias.close()
+
+
+def test_a_slow_mid_process_is_a_logged_no_op_then_fails_the_sequence_others_go_on():
+    prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
+    bias = BiasMatrix(prefix, size=4 * VOCAB * 4, create=True)
+    try:
+        rt = _runtime(bias, step_s=0.2, max_timeout_steps=3)
+        _instantiate(rt, "run-slow", "slow-mid=0.5 allow=3")
+        _instantiate(rt, "run-fast", "allow=9")
+        _step(rt, pre_ops=[{"id": 1, "req_id": "run-slow"}, {"id": 2, "req_id": "run-fast"}])
+        errors = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            data = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]})["data"]
+            assert time.monotonic() - t0 < 0.45  # bounded by the step limit, not the controller
+            rows = bias.rows(2, VOCAB)
+            assert (rows[0] == 0).all()  # the slow one: unconstrained this step
+            assert int(np.argmax(rows[1])) == 9 and np.isneginf(rows[1]).sum() == VOCAB - 1
+            del rows
+            assert data["seqs"]["2"]["error"] == ""
+            errors.append(data["seqs"]["1"]["error"])
+            time.sleep(0.6)  # let the overrunning call finish before the next step
+        assert errors[:2] == ["", ""]
+        assert "3 steps in a row" in errors[2]
+    finally:
+        bias.close()
+
+
+def test_a_slow_post_process_or_a_raising_controller_fails_only_its_sequence():
+    rt = _runtime(step_s=0.2)
+    _instantiate(rt, "run-slow", "slow-post=0.5")
+    _instantiate(rt, "run-bug", "raise-mid")
+    _instantiate(rt, "run-ok", "")
+    _step(rt, pre_ops=[{"id": i, "req_id": r} for i, r in
+                       ((1, "run-slow"), (2, "run-bug"), (3, "run-ok"))])
+    mid = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}, {"id": 3}]})
+    assert "RuntimeError: controller bug" in mid["data"]["seqs"]["2"]["error"]
+    data = _step(rt, post_ops=[{"id": i, "tokens": [4], "backtrack": 0} for i in (1, 3)])
+    assert "longer than 200 ms" in data["post_seqs"]["1"]["error"]
+    assert data["post_seqs"]["3"]["result"] == {"stop": False}
+    assert set(data["pre_seqs"]) == {"3"}  # failed sequences are not asked again
+    rt.close()
+
+
+def test_forks_share_variables_reported_as_write_var_storage_and_are_bounded():
+    rt = _runtime(max_forks=3)
+    _instantiate(rt, "run-f", "forks=2 var=out")
+    data = _step(rt, pre_ops=[{"id": 1, "req_id": "run-f"}])
+    assert data["pre_seqs"]["1"]["result"]["num_forks"] == 2
+    mid = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 5, "clone_id": 1}]})
+    assert set(mid["data"]["seqs"]) == {"1", "5"}
+    data = _step(rt, post_ops=[{"id": 1, "tokens": [65 % VOCAB], "backtrack": 0},
+                               {"id": 5, "tokens": [66 % VOCAB], "backtrack": 0}])
+    first = data["post_seqs"]["1"]
+    assert first["storage"] == [{"WriteVar": {"name": "out", "value": bytes([1]).hex(),
+                                              "op": "Append", "when_version_is": None}}]
+    assert first["logs"] == "wrote [1]\n"
+    assert data["post_seqs"]["5"]["storage"][0]["WriteVar"]["value"] == "02"
+    # Both forks wrote the one variable of their request; the fork asks for no more forks.
+    assert sorted(rt._seqs[1].ctx.get_var("out")) == [1, 2]
+    assert data["pre_seqs"]["5"]["result"]["num_forks"] == 1
+    _instantiate(rt, "run-many", "forks=4")
+    over = _step(rt, pre_ops=[{"id": 9, "req_id": "run-many"}])
+    assert "exceed the limit of 3" in over["pre_seqs"]["9"]["error"]
+
+
+def test_instantiate_that_overruns_its_bound_is_answered_and_not_kept():
+    class Slow(Controller):
+        def __init__(self, ctx, arg, prompt):
+            time.sleep(1.0)
+            super().__init__(ctx, arg, prompt)
+
+    rt = ControllerRuntime(FakeTokenizer(), {"slow": Slow}, limits=Limits(init_s=0.05))
+    t0 = time.monotonic()
+    answer = _side(rt, {"op": "instantiate", "req_id": "run-s", "module_id": "slow"})
+    assert time.monotonic() - t0 < 0.6
+    assert "initialization took longer than 50 ms" in answer["error"]
+    time.sleep(1.2)
+    assert rt._pending == {}
+
+
+# --- llguidance, with the embedded model's real tokenizer ----------------------------------
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_info():
+    from engines.controllers.builtin import HFTokenizerInfo
+    from engines.embedded import prepare_embedded_model
+    info = HFTokenizerInfo.from_pretrained(str(prepare_embedded_model(progress=False)))
+    assert info.llg.vocab_size == info.vocab_size  # built once, as the runtime's start does
+    return info
+
+
+def test_llguidance_masks_digits_fast_forwards_literals_and_stops(hf_tokenizer_info):
+    from engines.controllers.builtin import BUILTIN_CONTROLLERS
+    tok = hf_tokenizer_info
+    # A generous step bound: the first masks of a grammar are the slowest, and CI is busy.
+    rt = ControllerRuntime(tok, BUILTIN_CONTROLLERS, limits=Limits(step_s=2.0, init_s=10.0))
+    grammar = {"grammars": [{"lark_grammar": 'start: "The answer is " /[0-9]{2}/'}]}
+    _instantiate(rt, "run-g", {"grammar": grammar}, module="llguidance")
+    data = _step(rt, pre_ops=[{"id": 1, "req_id": "run-g"}])
+    ff = data["pre_seqs"]["1"]["result"]["ff_tokens"]
+    assert tok.decode(ff).decode().startswith("The answer is")
+    _step(rt, post_ops=[{"id": 1, "tokens": ff, "backtrack": 0}])
+    allowed = rt._seqs[1].controller.mid_process()
+    bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")[:tok.vocab_size]
+    texts = {tok.decode([int(t)]).decode("utf-8", "replace") for t in np.flatnonzero(bits)}
+    assert texts and all(t.strip().isdigit() for t in texts), sorted(texts)[:10]
+    stopped = []
+    for digit in "42":
+        data = _step(rt, post_ops=[{"id": 1, "tokens": tok.encode(digit), "backtrack": 0}])
+        stopped.append(data["post_seqs"]["1"]["result"]["stop"])
+    assert stopped == [False, True]
+    # A token the grammar does not allow fails the sequence with llguidance's message.
+    _instantiate(rt, "run-h", {"grammar": grammar}, module="llguidance")
+    _step(rt, pre_ops=[{"id": 2, "req_id": "run-h"}])
+    bad = _step(rt, post_ops=[{"id": 2, "tokens": tok.encode("Nope"), "backtrack": 0}])
+    assert bad["post_seqs"]["2"]["error"].startswith("llguidance:")
+
+
+def test_llguidance_refuses_bad_grammars_at_instantiate(hf_tokenizer_info):
+    from engines.controllers.builtin import BUILTIN_CONTROLLERS
+    rt = ControllerRuntime(hf_tokenizer_info, BUILTIN_CONTROLLERS, limits=Limits(init_s=10.0))
+    for arg in ("not json", '{"nogrammar": 1}',
+                {"grammar": {"grammars": [{"lark_grammar": "start: /[0-9/"}]}}):
+        answer = _side(rt, {"op": "instantiate", "req_id": f"run-{uuid.uuid4().hex}",
+                            "module_id": "llguidance", "module_arg": arg})
+        assert answer["type"] == "error" and answer["is_user_error"], arg
+        assert answer["error"].startswith("llguidance:"), answer["error"]
+
+
+def test_llguidance_forks_are_independent(hf_tokenizer_info):
+    from engines.controllers.base import ControllerContext, Variables
+    from engines.controllers.builtin import GuidanceController
+    tok = hf_tokenizer_info
+    arg = '{"grammar": {"grammars": [{"lark_grammar": "start: \\"a\\" | \\"b\\" \\"c\\""}]}}'
+    ctx = ControllerContext(tok, Variables())
+    ctl = GuidanceController(ctx, arg, [])
+    twin = ctl.fork(ctx.forked())
+    assert ctl.post_process(tok.encode("a"), 0) is True
+    assert twin.post_process(tok.encode("b"), 0) is False  # still needs "c"
+
+
+# --- over shared memory, both ends ---------------------------------------------------------
+
+def test_the_runtime_over_shared_memory_answers_the_engine_end():
+    prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
+    bias = BiasMatrix(prefix, size=4 * VOCAB * 4, create=True)
+    main, side = MainClient(prefix, size=1 << 16), SideClient(prefix, size=1 << 16)
+    runtime_bias = BiasMatrix(prefix, create=False)
+    rt = _runtime(runtime_bias)
+    main_srv, side_srv = MainServer(prefix), SideServer(prefix)
+    threads = [threading.Thread(target=main_srv.serve, args=(rt.handle_main,)),
+               threading.Thread(target=side_srv.serve, args=(rt.handle_side,))]
+    for t in threads:
+        t.start()
+    try:
+        assert main.call("tokens", timeout=5) == {"vocab_size": VOCAB}
+        auth = {"user": "localhost", "is_admin": True}
+        assert side.call("instantiate", auth, timeout=5, req_id="run-x", prompt=[1],
+                         module_id="scripted", module_arg="allow=17") == {}
+        data = main.call("post_pre_process", timeout=5, post_ops=[],
+                         pre_ops=[{"id": 4, "req_id": "run-x"}], freed=[])
+        assert data["pre_seqs"]["4"]["result"]["num_forks"] == 1
+        data = main.call("mid_process", timeout=5, ops=[{"id": 4, "clone_id": None}])
+        assert data["num_seqs"] == 1
+        row = bias.rows(1, VOCAB)[0]
+        assert int(np.argmax(row)) == 17 and np.isneginf(row).sum() == VOCAB - 1
+        del row
+    finally:
+        main_srv.close()
+        side_srv.close()
+        for t in threads:
+            t.join(5)
+        rt.close()
+        runtime_bias.close()
+        side.close()
+        main.close()
+        bias.close()
