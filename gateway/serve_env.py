@@ -40,6 +40,11 @@ HAPROXY_ENV: dict[str, str] = {
     # ASGI message (measured with it, bench/compare.py's gateway-colocated-haproxy).
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # The Serve controller's reconcile loop, 10 Hz by default, was its largest fixed cost on an
+    # idle box (0.036 of 0.153 CPU-s/s across all of Ray, 0.014 at 2 Hz; docs/benchmarks.md).
+    # With the engine in the ingress replica that CPU comes out of the engine's cores, and on
+    # a slow engine it adds up per token. Serve reacts (health, autoscaling, deploys) at 2 Hz.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
 
