@@ -35,7 +35,7 @@ import numpy as np
 import posix_ipc
 
 __all__ = [
-    "DEFAULT_PREFIX", "BiasMatrix", "ChannelClosed", "ChannelError", "ChannelFull",
+    "DEFAULT_PREFIX", "BiasMatrix", "ChannelClosed", "ChannelObjects", "ChannelError", "ChannelFull",
     "ChannelTimeout", "MainClient", "MainServer", "MessageSlot", "RuntimeReplyError",
     "SideClient", "SideServer", "error_reply", "ok_reply",
 ]
@@ -233,6 +233,29 @@ def _pair(prefix: str, suffix: str, size: int, create: bool) -> tuple[MessageSlo
         raise
 
 
+class ChannelObjects:
+    """Every object of one engine/runtime pair, created (stale ones replaced) and, on
+    :meth:`close`, removed. The process that owns the pair holds this; the processes that use
+    it (the vLLM worker's hook, the runtime, the frontend) open their ends by ``prefix``."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX, json_size: int = 8 << 20,
+                 bin_size: int = 64 << 20) -> None:
+        self.prefix = prefix
+        self._parts: list[Any] = []
+        try:
+            for suffix in ("", "-side"):
+                self._parts += _pair(prefix, suffix, json_size, create=True)
+            self._parts.append(BiasMatrix(prefix, bin_size, create=True))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+        self._parts = []
+
+
 class MainClient:
     """Engine end of the main channel: one command in flight, each answered before the next.
 
@@ -240,8 +263,11 @@ class MainClient:
     late answer would be read as the next command's), so the client refuses further commands
     until it is closed and a new runtime is connected."""
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX, size: int = 8 << 20) -> None:
-        self._cmd, self._resp = _pair(prefix, "", size, create=True)
+    def __init__(self, prefix: str = DEFAULT_PREFIX, size: int = 8 << 20,
+                 create: bool = True) -> None:
+        # ``create=False``: another process of the engine end made the objects (the replica
+        # does, before the vLLM worker that holds this client starts).
+        self._cmd, self._resp = _pair(prefix, "", size, create=create)
         self._lock = threading.Lock()
         self._broken: str | None = None
 
@@ -283,7 +309,10 @@ class MainServer:
                 raw = self._cmd.recv()
             except ChannelClosed:
                 return
-            self._resp.send(_encode(_handle(handler, raw)), reply_timeout)
+            try:
+                self._resp.send(_encode(_handle(handler, raw)), reply_timeout)
+            except ChannelClosed:  # closed while the handler ran
+                return
 
     def close(self) -> None:
         self._cmd.close()
@@ -310,8 +339,8 @@ class SideClient:
     (``asyncio.wrap_future`` for async callers). At most ``max_pending`` wait at once."""
 
     def __init__(self, prefix: str = DEFAULT_PREFIX, size: int = 8 << 20,
-                 max_pending: int = 256) -> None:
-        self._cmd, self._resp = _pair(prefix, "-side", size, create=True)
+                 max_pending: int = 256, create: bool = True) -> None:
+        self._cmd, self._resp = _pair(prefix, "-side", size, create=create)
         self._max_pending = max_pending
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()  # guards _pending and the order of sends

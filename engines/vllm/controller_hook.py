@@ -1,0 +1,190 @@
+"""The per-step controller hook inside vLLM: a logits processor that speaks the seed's main channel.
+
+vLLM's x86 CPU build runs the V1 model runner, whose logits-processor interface this implements
+(``vllm.v1.sample.logits_processor.LogitsProcessor``; ``../shared/specs/aici.md`` §8.1). Once
+per engine step, in ``apply()``:
+
+1. ``post_pre_process``: the tokens each controlled row gained since the last step
+   (``post_ops``), rows new to the batch bound to their instantiated controller by ``req_id``
+   (``pre_ops``), rows that left (``freed``);
+2. ``mid_process`` for the rows that go on, in batch order; their bias rows come back at offset 0
+   of the bias shm and are added to the logits;
+3. a row whose controller stopped, failed, or asked for what vLLM cannot do in place
+   (fast-forward, backtrack, fork, suspend) is *ended* this step: only its stop token may be
+   sampled. The frontend then reads the controller's state from the runtime and resubmits
+   ``prompt + kept tokens + forced tokens`` (prefix caching keeps that cheap) or finishes.
+
+Requests opt in with ``SamplingParams.extra_args["aici"] = {"seq": <int>, "req_id": <str>}`` and
+must make the tokenizer's EOS a stop token (``stop_token_ids``) with ``ignore_eos``: a sampled
+EOS then ends the segment like a forced one, and the frontend decides, from the controller,
+whether the request really ended (AICI ignores EOS unless the controller stops). The shm
+prefix comes from the engine's ``additional_config["aici_prefix"]``; without it the hook is
+inert and refuses controlled requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from engines.controllers.shm import BiasMatrix, ChannelError, MainClient, RuntimeReplyError
+
+__all__ = ["AICI_ARG", "ControllerLogitsProcessor", "parse_row_spec"]
+
+logger = logging.getLogger(__name__)
+AICI_ARG = "aici"
+# A runtime that does not answer within this is gone (the per-controller bound is its own,
+# far shorter): the rows it controlled end, and so does every later controlled row.
+CHANNEL_TIMEOUT_S = 5.0
+
+
+def parse_row_spec(params: SamplingParams) -> dict | None:
+    """The request's controller binding, or None; ``ValueError`` when malformed."""
+    spec = (params.extra_args or {}).get(AICI_ARG)
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or not isinstance(spec.get("seq"), int) or \
+            not isinstance(spec.get("req_id"), str):
+        raise ValueError(f'extra_args["{AICI_ARG}"] is {{"seq": int, "req_id": str}}')
+    if params.eos_token_id is not None and not params.ignore_eos:
+        raise ValueError("a controlled request sets ignore_eos and lists EOS in stop_token_ids")
+    return spec
+
+
+@dataclass
+class _Row:
+    seq: int
+    req_id: str
+    output: list[int]  # vLLM's live list of this request's output ids
+    stop_token: int
+    reported: int = 0
+    bound: bool = False
+    ending: bool = False
+
+
+class ControllerLogitsProcessor(LogitsProcessor):
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        self._prefix = extra.get("aici_prefix") if isinstance(extra, dict) else None
+        self._rows: dict[int, _Row] = {}
+        self._freed: list[int] = []
+        self._dead = ""
+        self._main: MainClient | None = None
+        self._bias: BiasMatrix | None = None
+        if self._prefix:
+            # The replica created the objects before starting vLLM; this end opens them.
+            self._main = MainClient(self._prefix, create=False)
+            self._bias = BiasMatrix(self._prefix, create=False)
+            self._vocab = int(self._main.call("tokens", timeout=CHANNEL_TIMEOUT_S)["vocab_size"])
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        parse_row_spec(sampling_params)
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # masks change the greedy choice
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._free(index)
+        for index, params, _prompt, output in batch_update.added:
+            self._free(index)  # an added request may replace one at the same index
+            spec = parse_row_spec(params) if params is not None else None
+            if spec is not None:
+                stop = (params.stop_token_ids or [None])[0]
+                self._rows[index] = _Row(spec["seq"], spec["req_id"], output, stop)
+        for a, b, direction in batch_update.moved:
+            row_a = self._rows.pop(a, None)
+            row_b = self._rows.pop(b, None)
+            if direction == MoveDirectionality.SWAP:
+                if row_b is not None:
+                    self._rows[a] = row_b
+            elif row_b is not None:  # moved onto: the old occupant left the batch
+                self._freed.append(row_b.seq)
+            if row_a is not None:
+                self._rows[b] = row_a
+
+    def _free(self, index: int) -> None:
+        row = self._rows.pop(index, None)
+        if row is not None and row.bound:
+            self._freed.append(row.seq)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows and not self._freed:
+            return logits
+        if self._main is None or self._dead:
+            return self._end(logits, list(self._rows), self._dead or
+                             "controllers are not enabled on this engine")
+        try:
+            ending = self._post_pre_process()
+            go_on = [i for i in sorted(self._rows) if i not in ending]
+            if go_on:
+                ending |= self._mid_process(logits, go_on)
+        except (ChannelError, RuntimeReplyError) as exc:
+            self._dead = f"controller runtime unreachable: {exc}"
+            logger.error("%s; ending every controlled row", self._dead)
+            ending = set(self._rows)
+        return self._end(logits, sorted(ending), "")
+
+    def _post_pre_process(self) -> set[int]:
+        post_ops, pre_ops = [], []
+        for row in self._rows.values():
+            if not row.bound:
+                pre_ops.append({"id": row.seq, "req_id": row.req_id})
+                row.bound = True
+            new = []
+            for token in row.output[row.reported:]:
+                if token < 0:  # async scheduling's placeholder: known next step
+                    break
+                new.append(token)
+            if new:
+                post_ops.append({"id": row.seq, "tokens": new, "backtrack": 0})
+                row.reported += len(new)
+        freed, self._freed = self._freed, []
+        data = self._main.call("post_pre_process", timeout=CHANNEL_TIMEOUT_S,
+                               post_ops=post_ops, pre_ops=pre_ops, freed=freed)
+        post, pre = data.get("post_seqs") or {}, data.get("pre_seqs") or {}
+        ending = set()
+        for index, row in self._rows.items():
+            key = str(row.seq)
+            done = post.get(key)
+            if done and (done.get("error") or (done.get("result") or {}).get("stop")):
+                ending.add(index)
+            ahead = pre.get(key)
+            if ahead is not None:
+                result = ahead.get("result") or {}
+                if ahead.get("error") or result.get("suspend") or result.get("ff_tokens") or \
+                        result.get("num_forks", 1) != 1:
+                    ending.add(index)
+            if row.ending:
+                ending.add(index)
+        return ending
+
+    def _mid_process(self, logits: torch.Tensor, rows: list[int]) -> set[int]:
+        data = self._main.call("mid_process", timeout=CHANNEL_TIMEOUT_S,
+                               ops=[{"id": self._rows[i].seq, "clone_id": None} for i in rows])
+        seqs = data.get("seqs") or {}
+        width = min(self._vocab, logits.shape[1])
+        bias = torch.from_numpy(self._bias.rows(len(rows), self._vocab)[:, :width])
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        logits[index, :width] += bias.to(device=logits.device, dtype=logits.dtype)
+        del bias  # no view of the shm outlives the step
+        return {i for i in rows if (seqs.get(str(self._rows[i].seq)) or {}).get("error")}
+
+    def _end(self, logits: torch.Tensor, rows: list[int], why: str) -> torch.Tensor:
+        """Only the stop token may be sampled on these rows: vLLM finishes them this step."""
+        if why and rows:
+            logger.warning("ending %d controlled rows: %s", len(rows), why)
+        for index in rows:
+            row = self._rows[index]
+            row.ending = True
+            logits[index] = float("-inf")
+            if row.stop_token is not None and row.stop_token < logits.shape[1]:
+                logits[index, row.stop_token] = 0.0
+        return logits

@@ -1,0 +1,67 @@
+"""Test controllers and a fake tokenizer for the controller runtime and the engine hook."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from engines.controllers.base import Controller, ControllerError, PreResult
+
+VOCAB = 64
+
+
+class FakeTokenizer:
+    vocab_size = VOCAB
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [b % VOCAB for b in text.encode()]
+
+    def decode(self, tokens: list[int]) -> bytes:
+        return bytes(tokens)
+
+
+class Scripted(Controller):
+    """arg = JSON-free mini script: ``allow=5`` (only token 5), ``ff=1,2``, ``forks=2``,
+    ``stop-after=3``, ``slow-mid=0.2``, ``slow-post=0.2``, ``raise-mid``, ``var=x``."""
+
+    def __init__(self, ctx, arg, prompt):
+        super().__init__(ctx, arg, prompt)
+        self.opts = dict(part.partition("=")[::2] for part in arg.split() if part)
+        if "bad" in self.opts:
+            raise ControllerError("bad program")
+        self.seen: list[int] = []
+        self.forked = False
+
+    def pre_process(self):
+        ff = [int(t) for t in self.opts.get("ff", "").split(",") if t] if not self.seen else []
+        forks = int(self.opts.get("forks", 1)) if not self.seen and not self.forked else 1
+        return PreResult(num_forks=forks, ff_tokens=ff)
+
+    def mid_process(self):
+        if "slow-mid" in self.opts:
+            time.sleep(float(self.opts["slow-mid"]))
+        if "raise-mid" in self.opts:
+            raise RuntimeError("controller bug")
+        if "allow" not in self.opts:
+            return None
+        allowed = np.zeros(VOCAB, dtype=bool)
+        allowed[int(self.opts["allow"])] = True
+        return allowed
+
+    def post_process(self, tokens, backtrack):
+        if "slow-post" in self.opts:
+            time.sleep(float(self.opts["slow-post"]))
+        if backtrack:
+            del self.seen[-backtrack:]
+        self.seen += tokens
+        if "var" in self.opts:
+            self.ctx.set_var(self.opts["var"], bytes(tokens), append=True)
+            self.ctx.log(f"wrote {tokens}")
+        return len(self.seen) >= int(self.opts.get("stop-after", 10**9))
+
+    def fork(self, ctx):
+        twin = super().fork(ctx)
+        twin.forked = True
+        return twin

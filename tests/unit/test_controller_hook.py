@@ -1,0 +1,154 @@
+"""The vLLM V1 logits-processor hook (engines/vllm/controller_hook.py) against the real runtime
+over shared memory, driven with vLLM's own ``BatchUpdate`` and ``SamplingParams`` as the V1
+model runner passes them (added / removed / moved rows, live output lists)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from engines.controllers.runtime import ControllerRuntime, Limits
+from engines.controllers.shm import (
+    BiasMatrix,
+    ChannelObjects,
+    MainServer,
+    SideClient,
+    SideServer,
+)
+from engines.vllm import controller_hook
+from engines.vllm.controller_hook import ControllerLogitsProcessor
+from tests.controllers import VOCAB, FakeTokenizer, Scripted
+
+STOP = 0  # the fake tokenizer's EOS, listed as the requests' stop token
+
+
+@pytest.fixture
+def runtime():
+    prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
+    objects = ChannelObjects(prefix, json_size=1 << 16, bin_size=16 * VOCAB * 4)
+    bias = BiasMatrix(prefix, create=False)
+    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, bias, Limits(step_s=1.0))
+    main, side_srv = MainServer(prefix), SideServer(prefix)
+    threads = [threading.Thread(target=main.serve, args=(rt.handle_main,), daemon=True),
+               threading.Thread(target=side_srv.serve, args=(rt.handle_side,), daemon=True)]
+    for t in threads:
+        t.start()
+    side = SideClient(prefix, create=False)
+
+    def instantiate(req_id, arg):
+        assert side.call("instantiate", timeout=5, req_id=req_id, prompt=[1],
+                         module_id="scripted", module_arg=arg) == {}
+
+    yield SimpleNamespace(prefix=prefix, rt=rt, instantiate=instantiate, main=main)
+    main.close()
+    side_srv.close()
+    side.close()
+    for t in threads:
+        t.join(5)
+    rt.close()
+    bias.close()
+    objects.close()
+
+
+def _lp(prefix):
+    cfg = SimpleNamespace(additional_config={"aici_prefix": prefix} if prefix else {})
+    return ControllerLogitsProcessor(cfg, torch.device("cpu"), False)
+
+
+def _params(seq=None, req_id=None):
+    extra = {"aici": {"seq": seq, "req_id": req_id}} if seq is not None else None
+    return SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[STOP],
+                          extra_args=extra)
+
+
+def _update(size, added=(), removed=(), moved=()):
+    return BatchUpdate(batch_size=size, removed=list(removed), added=list(added),
+                       moved=list(moved))
+
+
+def _allowed(row: torch.Tensor) -> list[int]:
+    return torch.nonzero(torch.isfinite(row)).flatten().tolist()
+
+
+def test_masks_follow_their_rows_and_uncontrolled_rows_are_untouched(runtime):
+    runtime.instantiate("run-a", "allow=5")
+    runtime.instantiate("run-b", "")
+    lp = _lp(runtime.prefix)
+    assert lp.is_argmax_invariant() is False
+    out_a, out_free, out_b = [], [], []
+    lp.update_state(_update(3, added=[(0, _params(1, "run-a"), [1], out_a),
+                                      (1, _params(), [1], out_free),
+                                      (2, _params(2, "run-b"), [1], out_b)]))
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    out = lp.apply(logits)
+    assert _allowed(out[0]) == [5]
+    assert torch.equal(out[1], before[1]) and torch.equal(out[2], before[2])
+    # A swap moves the mask with its request.
+    lp.update_state(_update(3, moved=[(0, 1, MoveDirectionality.SWAP)]))
+    out = lp.apply(torch.randn(3, VOCAB))
+    assert _allowed(out[1]) == [5] and len(_allowed(out[0])) == VOCAB
+
+
+def test_tokens_reach_the_controller_and_a_stop_ends_the_row_on_its_stop_token(runtime):
+    runtime.instantiate("run-s", "stop-after=2")
+    lp = _lp(runtime.prefix)
+    out = []
+    lp.update_state(_update(1, added=[(0, _params(7, "run-s"), [1], out)]))
+    assert len(_allowed(lp.apply(torch.randn(1, VOCAB))[0])) == VOCAB
+    out.append(9)  # vLLM appends the sampled token to the live list
+    lp.update_state(None)
+    assert len(_allowed(lp.apply(torch.randn(1, VOCAB))[0])) == VOCAB
+    assert runtime.rt._seqs[7].controller.seen == [9]
+    out.append(10)
+    lp.update_state(None)
+    assert _allowed(lp.apply(torch.randn(1, VOCAB))[0]) == [STOP]
+    assert runtime.rt._seqs[7].controller.seen == [9, 10]
+    # The row leaves the batch: the runtime hears it as freed on the next step.
+    lp.update_state(_update(0, removed=[0]))
+    lp.apply(torch.randn(0, VOCAB))
+    assert 7 not in runtime.rt._seqs
+
+
+def test_a_forced_token_or_a_fork_ends_the_row_for_the_frontend_to_resubmit(runtime):
+    runtime.instantiate("run-ff", "ff=7,8")
+    runtime.instantiate("run-fork", "forks=2")
+    runtime.instantiate("run-plain", "allow=3")
+    lp = _lp(runtime.prefix)
+    lp.update_state(_update(3, added=[(0, _params(1, "run-ff"), [1], []),
+                                      (1, _params(2, "run-fork"), [1], []),
+                                      (2, _params(3, "run-plain"), [1], [])]))
+    out = lp.apply(torch.randn(3, VOCAB))
+    assert _allowed(out[0]) == [STOP] and _allowed(out[1]) == [STOP]
+    assert _allowed(out[2]) == [3]
+
+
+def test_without_a_runtime_controlled_rows_end_and_a_dead_runtime_ends_them_too(runtime,
+                                                                                monkeypatch):
+    lp = _lp(None)
+    lp.update_state(_update(2, added=[(0, _params(1, "run-x"), [1], []),
+                                      (1, _params(), [1], [])]))
+    out = lp.apply(torch.randn(2, VOCAB))
+    assert _allowed(out[0]) == [STOP] and len(_allowed(out[1])) == VOCAB
+    runtime.instantiate("run-d", "")
+    monkeypatch.setattr(controller_hook, "CHANNEL_TIMEOUT_S", 0.3)
+    lp = _lp(runtime.prefix)
+    lp.update_state(_update(1, added=[(0, _params(4, "run-d"), [1], [])]))
+    runtime.main.close()  # the runtime stops answering
+    assert _allowed(lp.apply(torch.randn(1, VOCAB))[0]) == [STOP]
+    assert "unreachable" in lp._dead
+
+
+def test_malformed_controller_args_are_refused_at_admission():
+    for extra in ({"aici": {"seq": "1", "req_id": "r"}}, {"aici": [1]}):
+        with pytest.raises(ValueError, match="extra_args"):
+            ControllerLogitsProcessor.validate_params(
+                SamplingParams(ignore_eos=True, stop_token_ids=[STOP], extra_args=extra))
+    ControllerLogitsProcessor.validate_params(SamplingParams())  # no controller: nothing to say
