@@ -7,7 +7,8 @@ tokens each. Each run gets fresh prompts so none of them is served from the pref
 
     python bench/protocols.py --url http://127.0.0.1:8000 [--num-prompts 64] [--concurrency 16]
 
-Without ``--url`` it starts the gateway itself (``serve run``) and stops it afterwards.
+Without ``--url`` it starts the gateway itself (``serve run``; ``--layout fast`` for the
+colocated engine behind HAProxy) and stops it afterwards.
 Throughput counts generated tokens as each protocol reports them.
 """
 
@@ -30,14 +31,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.compare import (  # noqa: E402
-    GATEWAY_PORT,
+    PORTS,
     RESULTS,
+    STARTERS,
     _bin,
-    _serve_gateway,
     _stop,
-    _wait_healthy,
+    _wait_ready,
 )
 from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
+from engines.embedded import prepare_embedded_model  # noqa: E402
+
+# The gateway layouts this can start: the default (Serve's proxy on the public port, engine
+# replica behind the ingress) and the fast one (engine inside the ingress replica, HAProxy on
+# the public port: LLM_GATEWAY_INGRESS=haproxy with serve_config.colocated.yaml).
+LAYOUTS = {"default": "gateway", "fast": "gateway-colocated-haproxy"}
 
 Runner = Callable[[dict, int], Awaitable[tuple[int, float]]]  # → (tokens, ttft seconds)
 
@@ -236,6 +243,8 @@ def summarize(rows: list[dict], args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="default",
+                        help="the gateway layout to start when --url is not given")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
@@ -249,11 +258,12 @@ def main() -> None:
     proc = None
     url = args.url
     if url is None:
-        proc = _serve_gateway()
-        url = f"http://127.0.0.1:{GATEWAY_PORT}"
+        target = LAYOUTS[args.layout]
+        proc = STARTERS[target](MODEL, str(prepare_embedded_model(progress=False)), {})
+        url = f"http://127.0.0.1:{PORTS[target]}"
     try:
         if proc is not None:
-            _wait_healthy(url, proc)
+            _wait_ready(url, MODEL, proc)
         rows = asyncio.run(measure(url, args))
     finally:
         if proc is not None:

@@ -26,3 +26,11 @@ def test_ratios_and_cpu_per_thousand_tokens():
     assert cells[7] == "1.00"  # (3 + 1) s over 4,000 tokens
     assert cells[9] == "0.25"
     assert "2 rounds" in text and "Machine:" in text
+
+
+def test_the_protocol_bench_imports_and_starts_only_layouts_compare_knows():
+    # bench/protocols.py reuses compare.py's starters; a rename there once broke its import.
+    from bench import compare, protocols
+    assert set(protocols.LAYOUTS.values()) <= set(compare.STARTERS)
+    assert {protocols.LAYOUTS[k] for k in ("default", "fast")} == {
+        "gateway", "gateway-colocated-haproxy"}
