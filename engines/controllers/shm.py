@@ -295,28 +295,39 @@ class MainClient:
         self._resp.close()
 
 
-class MainServer:
-    """Runtime end of the main channel: answers each command with ``handler(command)``."""
+class _ServerEnd:
+    """The runtime end of one channel: commands in, answers out."""
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
-        self._cmd, self._resp = _pair(prefix, "", 0, create=False)
+    def __init__(self, prefix: str, suffix: str) -> None:
+        self._cmd, self._resp = _pair(prefix, suffix, 0, create=False)
 
-    def serve(self, handler: Callable[[dict], dict], reply_timeout: float = 10.0) -> None:
-        """Until :meth:`close`. A handler's exception becomes an error reply, so the engine
-        always gets an answer and the channel stays in step."""
+    def _incoming(self) -> Iterator[bytes]:
+        """Each command as it comes, until :meth:`close`."""
         while True:
             try:
-                raw = self._cmd.recv()
+                yield self._cmd.recv()
             except ChannelClosed:
-                return
-            try:
-                self._resp.send(_encode(_handle(handler, raw)), reply_timeout)
-            except ChannelClosed:  # closed while the handler ran
                 return
 
     def close(self) -> None:
         self._cmd.close()
         self._resp.close()
+
+
+class MainServer(_ServerEnd):
+    """Runtime end of the main channel: answers each command with ``handler(command)``."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        super().__init__(prefix, "")
+
+    def serve(self, handler: Callable[[dict], dict], reply_timeout: float = 10.0) -> None:
+        """Until :meth:`close`. A handler's exception becomes an error reply, so the engine
+        always gets an answer and the channel stays in step."""
+        for raw in self._incoming():
+            try:
+                self._resp.send(_encode(_handle(handler, raw)), reply_timeout)
+            except ChannelClosed:  # closed while the handler ran
+                return
 
 
 def _handle(handler: Callable[[dict], dict], raw: bytes) -> dict:
@@ -417,7 +428,7 @@ class SideClient:
         self._reader.join(5)
 
 
-class SideServer:
+class SideServer(_ServerEnd):
     """Runtime end of the side channel.
 
     ``handler(request, reply)`` is called on the reader thread for each request; it may call
@@ -425,16 +436,12 @@ class SideServer:
     exactly once. The answer gets the request's ``$rid``."""
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
-        self._cmd, self._resp = _pair(prefix, "-side", 0, create=False)
+        super().__init__(prefix, "-side")
         self._send_lock = threading.Lock()
 
     def serve(self, handler: Callable[[dict, Callable[[dict], None]], None],
               reply_timeout: float = 10.0) -> None:
-        while True:
-            try:
-                raw = self._cmd.recv()
-            except ChannelClosed:
-                return
+        for raw in self._incoming():
             try:
                 request = _decode(raw)
                 rid = request.get("$rid")
@@ -462,7 +469,3 @@ class SideServer:
                 except ChannelClosed:
                     pass
         return reply
-
-    def close(self) -> None:
-        self._cmd.close()
-        self._resp.close()

@@ -82,6 +82,38 @@ removes one hop, HAProxy in place of Serve's proxy actor the other: what is left
 doing what bare vLLM's API server does (HTTP, detokenizing, encoding) plus HAProxy's relay and
 Serve's replica bookkeeping. On a 2-core box every millisecond of it is taken from the engine,
 so throughput follows the CPU figure. docs/benchmarks.md has the numbers."""),
+    ("markdown", """## The embedded model, and the tiny model under contention
+
+Two later runs on the same box, 3 rounds each at c=16 (`docs/benchmarks.md`, "Per-token
+overhead"): the embedded SmolLM2-135M, where each fp32 engine step is slow, and the tiny model
+again with one busy process pinned to CPU 0 beside every server (`--hog`)."""),
+    ("code", """MORE = {"embedded": Path("data/overhead-embedded-2026-11-25.json"),
+        "tiny + hog": Path("data/overhead-hog-2026-11-25.json")}
+more = []
+for run, path in MORE.items():
+    groups = defaultdict(list)
+    for r in json.loads(path.read_text()):
+        groups[r["target"]].append(r)
+    bare = mean([r["output_throughput"] for r in groups["bare"]])
+    for target, g in groups.items():
+        tps = mean([r["output_throughput"] for r in g])
+        cpu = 1000 * sum(r["other_cpu_s"] for r in g) / sum(r["total_output_tokens"] for r in g)
+        more.append({"run": run, "target": target, "rounds": [r["output_throughput"] for r in g],
+                     "vs_bare": tps / bare, "cpu_ms_tok": cpu})
+        print(f"{run:11} {target:26} rounds {', '.join(f'{x:.1f}' for x in more[-1]['rounds'])}"
+              f"  vs bare {tps / bare:.3f}  CPU ms/tok outside engine {cpu:.2f}")
+fig, ax = plt.subplots(figsize=(9, 3.8))
+ax.bar(range(len(more)), [t["vs_bare"] for t in more], color="tab:blue")
+ax.axhline(0.97, color="red", linestyle="--", label="0.97x (embedded target)")
+ax.axhline(0.95, color="purple", linestyle=":", label="0.95x (contention target)")
+ax.set_xticks(range(len(more)))
+ax.set_xticklabels([f"{t['run']}\\n{SHORT.get(t['target'], t['target'])}" for t in more],
+                   fontsize=8)
+ax.set_ylim(0, 1.15)
+ax.set_title("c=16 output tok/s vs bare vLLM, same run")
+ax.legend(loc="lower right")
+fig.tight_layout()
+plt.show()"""),
 ]
 
 
