@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.pipeline import _cpu_flags  # noqa: E402
 from engines.controllers.shm import ChannelObjects, MainClient, SideClient  # noqa: E402
 
 RUNTIME = r"""
@@ -47,15 +48,6 @@ main, side = MainServer(prefix), SideServer(prefix)
 threading.Thread(target=side.serve, args=(rt.handle_side,), daemon=True).start()
 main.serve(rt.handle_main)
 """
-
-
-def _cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return platform.processor()
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def measure(main: MainClient, side: SideClient, batch: int, steps: int, module: str,

@@ -57,22 +57,16 @@ class PreResult:
 
 
 class Variables:
-    """A request's shared variables (all its forks see the same), with a version per name so
-    a ``Wait`` can tell a write from none."""
+    """A request's shared variables: all its forks see the same."""
 
     def __init__(self) -> None:
         self._values: dict[str, bytes] = {}
-        self._versions: dict[str, int] = {}
 
     def get(self, name: str) -> bytes | None:
         return self._values.get(name)
 
-    def version(self, name: str) -> int:
-        return self._versions.get(name, 0)
-
     def write(self, name: str, value: bytes, append: bool) -> None:
         self._values[name] = self._values.get(name, b"") + value if append else value
-        self._versions[name] = self._versions.get(name, 0) + 1
 
 
 class ControllerContext:

@@ -76,7 +76,6 @@ class GuidanceController(Controller):
             raise ControllerError(f"llguidance: {error}")
         self.matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         self._check()
-        self._words = (ctx.tokenizer.vocab_size + 31) // 32
 
     def _check(self) -> None:
         if self.matcher.is_error():

@@ -17,6 +17,7 @@ sequences' rows are never held up beyond the bound.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -87,8 +88,6 @@ class _Pending:
     created: float
 
 
-_TIMEOUT = object()
-
 
 class ControllerRuntime:
     def __init__(self, tokenizer: TokenizerInfo, controllers: dict[str, ControllerFactory],
@@ -144,7 +143,7 @@ class ControllerRuntime:
             if seq.failed or seq.stopped:
                 continue
             tokens, backtrack = list(op.get("tokens") or []), int(op.get("backtrack") or 0)
-            calls[seq_id] = (seq, _bind(seq.controller.post_process, tokens, backtrack))
+            calls[seq_id] = (seq, functools.partial(seq.controller.post_process, tokens, backtrack))
         for seq_id, (value, error, micros) in self._run(calls, stateful=True).items():
             seq = self._seqs[seq_id]
             seq.stopped = bool(value) and not error
@@ -241,18 +240,18 @@ class ControllerRuntime:
         return out
 
     def _timed_out(self, seq: _Seq, stateful: bool, still_running: bool) -> tuple[Any, str, int]:
-        bound = f"{self.limits.step_s * 1000:g} ms"
+        bound, micros = f"{self.limits.step_s * 1000:g} ms", int(self.limits.step_s * 1e6)
         if stateful:
             seq.failed = f"controller step took longer than {bound}"
-            return None, seq.failed, int(self.limits.step_s * 1e6)
+            return None, seq.failed, micros
         seq.timeouts += 1
         if seq.timeouts >= self.limits.max_timeout_steps:
             seq.failed = (f"controller took longer than {bound} in "
                           f"{seq.timeouts} steps in a row")
-            return None, seq.failed, int(self.limits.step_s * 1e6)
+            return None, seq.failed, micros
         seq.ctx.log(f"timeout: mid_process {'still running' if still_running else 'over'} "
                     f"{bound}; this step is unconstrained")
-        return None, "", int(self.limits.step_s * 1e6)
+        return None, "", micros
 
     # --- side channel -----------------------------------------------------------------------
 
@@ -369,10 +368,6 @@ class ControllerRuntime:
         except Exception as exc:  # a controller's own failure: the request fails, not us
             return error_reply(f"{type(exc).__name__}: {exc}")
         return _Pending(controller, ctx, time.monotonic())
-
-
-def _bind(fn: Callable, *args: Any) -> Callable[[], Any]:
-    return lambda: fn(*args)
 
 
 def _timed(call: Callable[[], Any]) -> tuple[Any, str, int]:

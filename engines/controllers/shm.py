@@ -203,10 +203,6 @@ class BiasMatrix:
         self._owner = create
         self._map = _map_shm(self.name, size, create)
 
-    @property
-    def nbytes(self) -> int:
-        return len(self._map)
-
     def rows(self, num_seqs: int, vocab: int) -> np.ndarray:
         """A writable view of the first ``num_seqs`` rows (no copy)."""
         if num_seqs * vocab * 4 > len(self._map):

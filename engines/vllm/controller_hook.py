@@ -60,7 +60,7 @@ class _Row:
     seq: int
     req_id: str
     output: list[int]  # vLLM's live list of this request's output ids
-    stop_token: int
+    stop_token: int | None  # the request's first stop_token_ids entry (its EOS)
     reported: int = 0
     bound: bool = False
     ending: bool = False
@@ -69,16 +69,16 @@ class _Row:
 class ControllerLogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         extra = getattr(vllm_config, "additional_config", None) or {}
-        self._prefix = extra.get("aici_prefix") if isinstance(extra, dict) else None
+        prefix = extra.get("aici_prefix") if isinstance(extra, dict) else None
         self._rows: dict[int, _Row] = {}
         self._freed: list[int] = []
         self._dead = ""
         self._main: MainClient | None = None
         self._bias: BiasMatrix | None = None
-        if self._prefix:
+        if prefix:
             # The replica created the objects before starting vLLM; this end opens them.
-            self._main = MainClient(self._prefix, create=False)
-            self._bias = BiasMatrix(self._prefix, create=False)
+            self._main = MainClient(prefix, create=False)
+            self._bias = BiasMatrix(prefix, create=False)
             self._vocab = int(self._main.call("tokens", timeout=CHANNEL_TIMEOUT_S)["vocab_size"])
 
     @classmethod
