@@ -315,14 +315,22 @@ class MainServer(_ServerEnd):
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         super().__init__(prefix, "")
+        self._finishing = False
+
+    def finish(self) -> None:
+        """Called by a handler: answer the command it is handling, then stop serving. (Closing
+        from inside the handler would race the close against that answer.)"""
+        self._finishing = True
 
     def serve(self, handler: Callable[[dict], dict], reply_timeout: float = 10.0) -> None:
-        """Until :meth:`close`. A handler's exception becomes an error reply, so the engine
-        always gets an answer and the channel stays in step."""
+        """Until :meth:`close` or :meth:`finish`. A handler's exception becomes an error
+        reply, so the engine always gets an answer and the channel stays in step."""
         for raw in self._incoming():
             try:
                 self._resp.send(_encode(_handle(handler, raw)), reply_timeout)
             except ChannelClosed:  # closed while the handler ran
+                return
+            if self._finishing:
                 return
 
 

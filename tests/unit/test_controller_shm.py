@@ -209,6 +209,30 @@ def test_a_handler_exception_is_an_error_answer_not_a_dead_channel(prefix):
         thread.join(5)
 
 
+def test_finish_answers_the_current_command_before_serving_stops(prefix):
+    client = MainClient(prefix, size=1 << 16)
+    server = MainServer(prefix)
+
+    def handler(command):
+        if command["op"] == "stop":
+            server.finish()
+            time.sleep(0.05)  # the answer must not depend on the handler being quick
+        return ok_reply({"op": command["op"]})
+
+    thread = threading.Thread(target=server.serve, args=(handler,))
+    thread.start()
+    try:
+        for _ in range(3):
+            assert client.call("ping", timeout=5) == {"op": "ping"}
+        assert client.call("stop", timeout=5) == {"op": "stop"}
+        thread.join(5)
+        assert not thread.is_alive()
+    finally:
+        server.close()
+        client.close()
+        thread.join(5)
+
+
 def test_a_late_answer_leaves_the_main_channel_out_of_step_so_it_refuses_further_commands(prefix):
     client = MainClient(prefix, size=1 << 16)
     server = MainServer(prefix)
@@ -350,13 +374,15 @@ def on_main(cmd):
                                 "micros": 1} for op in cmd["ops"]}
         return ok_reply({"seqs": seqs, "num_seqs": len(cmd["ops"])})
     if cmd["op"] == "stop":
-        threading.Thread(target=lambda: (main.close(), side.close())).start()
+        main.finish()  # the answer goes out before serve() returns
         return ok_reply({})
     return ok_reply({"pong": 1})
 
 threading.Thread(target=side.serve, args=(lambda r, reply: reply(ok_reply({"op": r["op"]})),),
                  daemon=True).start()
 main.serve(on_main)
+main.close()
+side.close()
 """
 
 
