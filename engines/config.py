@@ -9,7 +9,28 @@ import msgspec
 from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
 from engines.kinds import ENGINE_CONCURRENCY, ENGINE_KINDS, check_engine_args
 
-__all__ = ["Autoscaling", "ModelConfig"]
+__all__ = ["Autoscaling", "Controllers", "ModelConfig"]
+
+
+class Controllers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """AICI-style per-step controllers on a ``vllm`` model (``docs/controllers.md``): a
+    controller runtime beside each replica and the engine hook that asks it every step.
+
+    ``custom``: the operator's trusted controller classes, ``{tag: "package.module:Class"}``,
+    beside the built-ins ``none`` and ``llguidance``. ``step_ms`` / ``init_ms``: the per-step and
+    construction bounds of one controller (aicirt's defaults)."""
+
+    custom: dict[str, str] = {}
+    step_ms: float = 25.0
+    init_ms: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if not (self.step_ms > 0 and self.init_ms > 0):
+            raise ValueError("controllers: step_ms and init_ms must be positive")
+        for tag, path in self.custom.items():
+            module, _, name = path.partition(":")
+            if not tag or not module or not name:
+                raise ValueError(f"controllers: custom {tag!r} must name 'package.module:Class'")
 
 
 class Autoscaling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -91,6 +112,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # replica is noticed no sooner, and until then requests wait for it in Serve's router.
     health_check_period_s: float = 2.0
     colocated: bool = False
+    # On by default for the ``vllm`` kind: the hook costs nothing on steps without a controlled
+    # request. ``null`` turns the runtime and the hook off.
+    controllers: Controllers | None = Controllers()
 
     def __post_init__(self) -> None:
         if not self.name.strip():

@@ -13,6 +13,14 @@ row fail the sequence; ``pre_process`` / ``post_process`` change the controller'
 that overruns fails the sequence at once (its late effect could not be undone). A call still
 running from an earlier step is not started again: that step counts as another timeout. Other
 sequences' rows are never held up beyond the bound.
+
+Beyond the seed, two side ops let the engine's frontend carry out what vLLM cannot do inside a
+step (fast-forward; ``engines/vllm/controlled.py``). A controller lives by its ``req_id`` from
+``instantiate`` until ``release``; the engine binds it to a sequence id per segment (``pre_ops``)
+and frees that id when the segment ends, and between segments the frontend calls ``advance``:
+``post_process`` of the tokens appended outside the engine (forced ones, or the segment's last
+sampled token, which the engine never reported), then the ``pre_process`` still owed. Each
+``pre_process`` runs once per ``post_process`` (the seed's step order), whoever triggers it.
 """
 
 from __future__ import annotations
@@ -54,8 +62,8 @@ class Limits:
     max_timeout_steps: int = 10  # --wasm-max-timeout-steps
     max_forks: int = 16  # --wasm-max-forks, per request
     max_arg_bytes: int = 1 << 20  # controller_arg, and the prompt as given
-    max_pending: int = 1024  # instantiated and not yet bound to a sequence
-    pending_ttl_s: float = 600.0  # ... dropped after this long (the request never ran)
+    max_pending: int = 1024  # live controllers (instantiated, not yet released)
+    pending_ttl_s: float = 600.0  # one idle (no segment running) this long is dropped
     workers: int = 8
 
 
@@ -66,8 +74,8 @@ def module_id_of(factory: ControllerFactory) -> str:
 
 
 class _Seq:
-    __slots__ = ("controller", "ctx", "failed", "forks", "req_id", "running", "stopped",
-                 "timeouts")
+    __slots__ = ("bound_to", "controller", "ctx", "failed", "forks", "last_pre", "need_pre",
+                 "req_id", "running", "stopped", "timeouts", "touched")
 
     def __init__(self, req_id: str, controller: Controller, ctx: ControllerContext,
                  forks: list[int]) -> None:
@@ -79,13 +87,10 @@ class _Seq:
         self.timeouts = 0
         self.failed = ""
         self.stopped = False
-
-
-@dataclass
-class _Pending:
-    controller: Controller
-    ctx: ControllerContext
-    created: float
+        self.need_pre = True  # a post_process (or the start) since the last pre_process
+        self.last_pre: dict | None = None  # that pre_process's result, until the next post
+        self.bound_to: int | None = None  # the engine's sequence id while a segment runs
+        self.touched = time.monotonic()
 
 
 
@@ -99,8 +104,11 @@ class ControllerRuntime:
         self._lock = threading.Lock()  # _pending and _tags: the side channel's thread too
         self._modules: dict[str, ControllerFactory] = {}
         self._tags: dict[str, dict] = {}
-        self._pending: dict[str, _Pending] = {}
-        self._seqs: dict[int, _Seq] = {}
+        self._live: dict[str, _Seq] = {}  # every controller, from instantiate to release
+        self._seqs: dict[int, _Seq] = {}  # the engine's sequence ids bound to them
+        # Driver-side calls (instantiate, advance) wait on controller calls in _pool: their own
+        # threads, so a busy _pool cannot deadlock them.
+        self._side_pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="aici-side")
         started = int(time.time())
         for tag, factory in controllers.items():
             module_id = module_id_of(factory)
@@ -110,6 +118,7 @@ class ControllerRuntime:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._side_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- main channel -----------------------------------------------------------------------
 
@@ -128,10 +137,9 @@ class ControllerRuntime:
         return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
 
     def _post_pre_process(self, post_ops: list, pre_ops: list, freed: list) -> dict:
-        for seq_id in freed:
-            seq = self._seqs.pop(int(seq_id), None)
-            if seq is not None and int(seq_id) in seq.forks:
-                seq.forks.remove(int(seq_id))
+        with self._lock:
+            for seq_id in freed:
+                self._unbind(self._seqs.get(int(seq_id)), int(seq_id))
         post: dict[str, dict] = {}
         calls = {}
         for op in post_ops:
@@ -144,27 +152,60 @@ class ControllerRuntime:
                 continue
             tokens, backtrack = list(op.get("tokens") or []), int(op.get("backtrack") or 0)
             calls[seq_id] = (seq, functools.partial(seq.controller.post_process, tokens, backtrack))
-        for seq_id, (value, error, micros) in self._run(calls, stateful=True).items():
+        for seq_id, (_, error, micros) in self._run_post(calls).items():
             seq = self._seqs[seq_id]
-            seq.stopped = bool(value) and not error
             post[str(seq_id)] = _record(seq, None if error else {"stop": seq.stopped}, error,
                                         micros)
         pre: dict[str, dict] = {}
-        for op in pre_ops:
-            seq_id, req_id = int(op["id"]), str(op["req_id"])
-            with self._lock:
-                pending = self._pending.pop(req_id, None)
-            if pending is None:
-                pre[str(seq_id)] = _record(None, None, f"no instantiated controller for "
-                                                       f"{req_id!r}", 0)
-            elif seq_id in self._seqs:
-                pre[str(seq_id)] = _record(None, None, f"sequence {seq_id} is already bound", 0)
-            else:
-                self._seqs[seq_id] = _Seq(req_id, pending.controller, pending.ctx, [seq_id])
-        calls = {seq_id: (seq, seq.controller.pre_process) for seq_id, seq in self._seqs.items()
-                 if not (seq.failed or seq.stopped)}
-        for seq_id, (value, error, micros) in self._run(calls, stateful=True).items():
+        with self._lock:
+            for op in pre_ops:
+                seq_id, req_id = int(op["id"]), str(op["req_id"])
+                seq = self._live.get(req_id)
+                if seq is None:
+                    pre[str(seq_id)] = _record(None, None, f"no instantiated controller for "
+                                                           f"{req_id!r}", 0)
+                elif seq_id in self._seqs or seq.bound_to is not None:
+                    pre[str(seq_id)] = _record(None, None, f"sequence {seq_id} or controller "
+                                                           f"{req_id!r} is already bound", 0)
+                else:
+                    seq.bound_to = seq_id
+                    seq.forks.append(seq_id)
+                    self._seqs[seq_id] = seq
+            # Only sequences the engine runs now; one the frontend is advancing is unbound.
+            calls = {seq_id: (seq, seq.controller.pre_process)
+                     for seq_id, seq in self._seqs.items()
+                     if seq.bound_to == seq_id and seq.need_pre
+                     and not (seq.failed or seq.stopped)}
+        for seq_id, (value, error, micros) in self._run_pre(calls).items():
             seq = self._seqs[seq_id]
+            pre[str(seq_id)] = _record(seq, None if error else value, error, micros)
+        return {"post_seqs": post, "pre_seqs": pre}
+
+    def _unbind(self, seq: _Seq | None, seq_id: int | None) -> None:
+        """Under ``_lock``: the engine's ``seq_id`` no longer runs ``seq``."""
+        if seq is None or seq_id is None:
+            return
+        if self._seqs.get(seq_id) is seq:
+            del self._seqs[seq_id]
+        if seq_id in seq.forks:
+            seq.forks.remove(seq_id)
+        if seq.bound_to == seq_id:
+            seq.bound_to = None
+
+    def _run_post(self, calls: dict) -> dict[Any, tuple[Any, str, int]]:
+        out = self._run(calls, stateful=True)
+        for key, (value, error, _) in out.items():
+            seq = calls[key][0]
+            seq.stopped = bool(value) and not error
+            seq.need_pre, seq.last_pre, seq.touched = True, None, time.monotonic()
+        return out
+
+    def _run_pre(self, calls: dict) -> dict[Any, tuple[Any, str, int]]:
+        """``value`` becomes the seed's pre result (a dict) or an error."""
+        out = {}
+        for key, (value, error, micros) in self._run(calls, stateful=True).items():
+            seq = calls[key][0]
+            seq.need_pre = False
             result = None
             if not error:
                 if value.num_forks > 1 and len(seq.forks) - 1 + value.num_forks > \
@@ -175,8 +216,9 @@ class ControllerRuntime:
                 else:
                     result = value.to_json()
                     seq.stopped = value.num_forks == 0
-            pre[str(seq_id)] = _record(seq, result, error, micros)
-        return {"post_seqs": post, "pre_seqs": pre}
+            seq.last_pre = result
+            out[key] = (result, error, micros)
+        return out
 
     def _mid_process(self, ops: list) -> dict:
         vocab = self.tokenizer.vocab_size
@@ -194,6 +236,7 @@ class ControllerRuntime:
                     continue
                 ctx = parent.ctx.forked()
                 child = _Seq(parent.req_id, parent.controller.fork(ctx), ctx, parent.forks)
+                child.bound_to = seq_id
                 parent.forks.append(seq_id)
                 self._seqs[seq_id] = child
             seq = self._seqs.get(seq_id)
@@ -268,6 +311,9 @@ class ControllerRuntime:
             reply(ok_reply({"tags": tags}))
         elif op == "set_tags":
             reply(self._set_tags(request, auth))
+        elif op in ("advance", "release"):
+            self._side_pool.submit(self._answer, reply, self._advance if op == "advance"
+                                   else self._release, request)
         elif op == "mk_module":
             reply(error_reply("uploading Wasm modules is not supported by this runtime; use "
                               f"one of the built-in controllers ({', '.join(self._tags)})",
@@ -297,6 +343,51 @@ class ControllerRuntime:
             self._tags.update({info["tag"]: info for info in infos})
         return ok_reply({"tags": infos})
 
+    def _answer(self, reply: Callable[[dict], None], handler: Callable[[dict], dict],
+                request: dict) -> None:
+        try:
+            reply(handler(request))
+        except Exception as exc:  # answered, so the frontend never waits out its timeout
+            reply(error_reply(f"{type(exc).__name__}: {exc}"))
+
+    def _controller(self, request: dict) -> _Seq | dict:
+        req_id = request.get("req_id")
+        with self._lock:
+            seq = self._live.get(req_id) if isinstance(req_id, str) else None
+        return seq or error_reply(f"no controller for req_id {req_id!r}", is_user_error=True)
+
+    def _advance(self, request: dict) -> dict:
+        """Between segments: ``post_process(tokens, backtrack)`` when given, then the
+        ``pre_process`` owed. Answers the sequence's state: ``stop``, ``error`` and the pending
+        ``pre`` result (``suspend`` / ``num_forks`` / ``ff_tokens``; None once stopped)."""
+        seq = self._controller(request)
+        if isinstance(seq, dict):
+            return seq
+        tokens, backtrack = request.get("tokens") or [], int(request.get("backtrack") or 0)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return error_reply("'tokens' is a list of token ids", is_user_error=True)
+        with self._lock:
+            # The engine is done with the segment, though its ``freed`` may come later:
+            # from here its steps leave this controller alone.
+            self._unbind(seq, seq.bound_to)
+        error = seq.failed
+        if not error and not seq.stopped and (tokens or backtrack):
+            call = functools.partial(seq.controller.post_process, list(tokens), backtrack)
+            error = self._run_post({0: (seq, call)})[0][1]
+        if not error and not seq.stopped and seq.need_pre:
+            error = self._run_pre({0: (seq, seq.controller.pre_process)})[0][1]
+        state = {"stop": seq.stopped, "error": error or seq.failed,
+                 "pre": None if seq.stopped or error else seq.last_pre}
+        logs, storage = seq.ctx.drain()
+        return ok_reply({**state, "logs": logs, "storage": storage})
+
+    def _release(self, request: dict) -> dict:
+        req_id = request.get("req_id")
+        with self._lock:
+            seq = self._live.pop(req_id, None) if isinstance(req_id, str) else None
+            self._unbind(seq, seq.bound_to if seq is not None else None)
+        return ok_reply({"released": seq is not None})
+
     def _start_instantiate(self, request: dict, reply: Callable[[dict], None]) -> None:
         """Answer with the controller built, or with a timeout after ``Limits.init_s``,
         whichever comes first; a controller finished after its timeout is dropped."""
@@ -316,31 +407,32 @@ class ControllerRuntime:
         timer = threading.Timer(self.limits.init_s, expire)
         timer.daemon = True
         timer.start()
-        self._pool.submit(build)
+        self._side_pool.submit(build)
 
     def _instantiate(self, request: dict, first: threading.Lock) -> dict | None:
         """The answer, or None when the timeout answered first (nothing is kept then)."""
         answer = self._build(request)
-        if not isinstance(answer, _Pending):
+        if not isinstance(answer, _Seq):
             return answer if first.acquire(blocking=False) else None
         req_id = request["req_id"]
         now = time.monotonic()
         with self._lock:
             if not first.acquire(blocking=False):
                 return None
-            for key in [k for k, p in self._pending.items()
-                        if now - p.created > self.limits.pending_ttl_s]:
-                del self._pending[key]
-            if len(self._pending) >= self.limits.max_pending:
-                return error_reply("too many controllers waiting to start")
-            if req_id in self._pending:
+            # Controllers nobody released (their frontend died): dropped when idle that long.
+            for key in [k for k, p in self._live.items() if p.bound_to is None
+                        and now - p.touched > self.limits.pending_ttl_s]:
+                del self._live[key]
+            if len(self._live) >= self.limits.max_pending:
+                return error_reply("too many live controllers; retry later")
+            if req_id in self._live:
                 return error_reply(f"req_id {req_id!r} is already instantiated",
                                    is_user_error=True)
-            self._pending[req_id] = answer
+            self._live[req_id] = answer
         logs, storage = answer.ctx.drain()
         return ok_reply({"logs": logs, "storage": storage} if logs or storage else {})
 
-    def _build(self, request: dict) -> dict | _Pending:
+    def _build(self, request: dict) -> dict | _Seq:
         req_id, module = request.get("req_id"), request.get("module_id")
         arg, prompt = request.get("module_arg"), request.get("prompt", [])
         if not isinstance(req_id, str) or not req_id:
@@ -367,7 +459,7 @@ class ControllerRuntime:
             return error_reply(str(exc), is_user_error=True)
         except Exception as exc:  # a controller's own failure: the request fails, not us
             return error_reply(f"{type(exc).__name__}: {exc}")
-        return _Pending(controller, ctx, time.monotonic())
+        return _Seq(req_id, controller, ctx, [])
 
 
 def _timed(call: Callable[[], Any]) -> tuple[Any, str, int]:

@@ -9,16 +9,20 @@ host's (``engines.host``); ``engines.vllm.translate`` turns outputs into events.
 from __future__ import annotations
 
 import logging
+import os
 import time
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from engines.base import Admitted, ReferenceOutput
-from engines.config import ModelConfig
+from engines.config import Controllers, ModelConfig
 from engines.embedded import resolve_model_source
 from engines.tokens import render_prompt
 from engines.vllm.args import engine_args
+from engines.vllm.controlled import ControlledRun, Segment
+from engines.vllm.controller_hook import AICI_ARG
 from engines.vllm.translate import Translator
 from protocols.internal import (
     Capabilities,
@@ -48,8 +52,11 @@ class VLLMEngine:
 
         self.config = config
         self.model_path = resolve_model_source(config.source)
-        args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name],
-                               **engine_args(config.engine_args))
+        kwargs = engine_args(config.engine_args)
+        self._side = None
+        if config.controllers is not None:
+            kwargs = self._start_controllers(config.controllers, kwargs)
+        args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name], **kwargs)
         self._llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
@@ -63,10 +70,38 @@ class VLLMEngine:
             name=config.name, root=self.model_path, max_model_len=model_config.max_model_len,
             vocab_size=vocab_size, eos_token_id=self._tokenizer.eos_token_id, engine=config.engine,
             dtype=str(model_config.dtype).removeprefix("torch."),
-            capabilities=Capabilities(controllers="none", max_logprobs=max_logprobs,
+            capabilities=Capabilities(controllers="none" if self._side is None else "mask",
+                                      max_logprobs=max_logprobs,
                                       max_prompt_logprobs=max_logprobs,
                                       best_of_above_n=False, priority=self._priority),
         )
+
+    def _start_controllers(self, options: Controllers, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The shm objects, the runtime beside this replica, and the hook in vLLM's args."""
+        from transformers import AutoConfig
+
+        from engines.controllers.runtime import Limits
+        from engines.controllers.service import start_runtime
+        from engines.controllers.shm import ChannelObjects, SideClient
+
+        # POSIX names are per host: the pid and a random part keep replicas apart.
+        prefix = f"/llmgw-{os.getpid()}-{os.urandom(3).hex()}-"
+        objects = ChannelObjects(prefix)
+        try:
+            vocab = int(AutoConfig.from_pretrained(self.model_path).vocab_size)
+            limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
+            runtime = start_runtime(prefix, self.model_path, vocab, options.custom, limits)
+            side = SideClient(prefix, create=False)
+        except BaseException:
+            objects.close()
+            raise
+        self._side = side
+        weakref.finalize(self, _close_controllers, side, runtime, objects)
+        processors = list(kwargs.get("logits_processors") or [])
+        extra = dict(kwargs.get("additional_config") or {})
+        extra["aici_prefix"] = prefix
+        hook = "engines.vllm.controller_hook:ControllerLogitsProcessor"
+        return {**kwargs, "additional_config": extra, "logits_processors": [*processors, hook]}
 
     def model_info(self) -> ModelInfo:
         return self._info
@@ -81,22 +116,48 @@ class VLLMEngine:
         return self._tokenizer.decode(list(token_ids))
 
     async def stream(self, request: GenerateRequest, admitted: Admitted) -> AsyncIterator[Event]:
+        if request.controller is not None and self._side is not None:
+            def segment(ids: list[int], max_tokens: int, binding: dict,
+                        seg: Segment) -> AsyncIterator[Event]:
+                return self._generate(request, ids, max_tokens, binding, seg)
+
+            run = ControlledRun(request, admitted.prompt_ids, admitted.max_tokens, self._side,
+                                self._tokenizer, self._tokenizer.eos_token_id, segment)
+            async with aclosing(run.stream()) as events:
+                async for event in events:
+                    yield event
+            return
+        async for event in self._generate(request, admitted.prompt_ids, admitted.max_tokens):
+            yield event
+
+    async def _generate(self, request: GenerateRequest, prompt_ids: list[int], max_tokens: int,
+                        binding: dict | None = None,
+                        segment: Segment | None = None) -> AsyncIterator[Event]:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
 
         try:
-            params = self._sampling_params(request, admitted.max_tokens)
+            params = self._sampling_params(request, max_tokens, binding)
         except Exception as exc:  # vLLM's range checks (VLLMValidationError, ValueError)
             yield ErrorEvent(kind="validation", message=str(exc))
             return
-        request_id = request.request_id
-        outputs = self._llm.generate({"prompt_token_ids": admitted.prompt_ids}, params,
+        request_id = request.request_id if binding is None else \
+            f"{request.request_id}-s{binding['seq']}"
+        outputs = self._llm.generate({"prompt_token_ids": prompt_ids}, params,
                                      request_id, priority=request.priority if self._priority else 0)
-        translator = Translator(request, admitted.prompt_ids, self._special_ids, self._tokenizer,
+        translator = Translator(request, prompt_ids, self._special_ids, self._tokenizer,
                                 batch_size=self._llm.get_num_unfinished_requests)
         finished = False
         try:
             async with aclosing(outputs):  # vLLM's generator is closed now, not when collected
                 async for output in outputs:
+                    if segment is not None and output.outputs:
+                        choice = output.outputs[0]
+                        segment.tokens += choice.token_ids
+                        segment.cached_tokens = max(segment.cached_tokens,
+                                                    output.num_cached_tokens or 0)
+                        if choice.finish_reason is not None:
+                            segment.finish = choice.finish_reason
+                            segment.stop_reason = choice.stop_reason
                     for event in translator.feed(output):
                         yield event
             finished = True
@@ -110,16 +171,28 @@ class VLLMEngine:
             if not finished:  # closed, cancelled (deadline, disconnect) or failed
                 await self._llm.abort(request_id)
 
-    def _sampling_params(self, request: GenerateRequest, max_tokens: int):
+    def _sampling_params(self, request: GenerateRequest, max_tokens: int,
+                         binding: dict | None = None):
+        """``binding``: a segment of a controlled run. EOS then ends the segment but not by
+        the model's own rule (``ignore_eos``): it comes first among the stop ids, where the
+        hook finds the token it forces to end a segment."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s, out = request.sampling, request.output
+        same = {name: getattr(s, name) for name in _SAME_NAMED}
+        stop_ids, extra = list(s.stop_token_ids), None
+        if binding is not None:
+            eos = self._tokenizer.eos_token_id
+            stop_ids = [eos] + [t for t in stop_ids if t != eos]
+            same["ignore_eos"] = True
+            extra = {AICI_ARG: binding}
         return SamplingParams(
-            **{name: getattr(s, name) for name in _SAME_NAMED},
+            **same,
+            extra_args=extra,
             max_tokens=max_tokens,
             stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None,
+            stop_token_ids=stop_ids or None,
             logit_bias=dict(s.logit_bias) or None,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
@@ -146,3 +219,11 @@ class VLLMEngine:
             logprobs=[step[t].logprob for step, t in zip(choice.logprobs, choice.token_ids,
                                                          strict=True)],
             prompt_token_ids=list(final.prompt_token_ids))
+
+
+def _close_controllers(side: Any, runtime: Any, objects: Any) -> None:
+    for part in (side, runtime, objects):
+        try:
+            part.close()
+        except Exception as exc:  # at exit: whatever is left is the OS's to clean up
+            log.debug("closing the controller runtime: %s", exc)

@@ -238,7 +238,7 @@ def test_instantiate_that_overruns_its_bound_is_answered_and_not_kept():
     assert time.monotonic() - t0 < 0.6
     assert "initialization took longer than 50 ms" in answer["error"]
     time.sleep(1.2)
-    assert rt._pending == {}
+    assert rt._live == {}
 
 
 # --- llguidance, with the embedded model's real tokenizer ----------------------------------

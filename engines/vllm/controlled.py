@@ -1,0 +1,262 @@
+"""Requests with a controller on the ``vllm`` engine kind: segments, driven from the frontend.
+
+vLLM cannot append tokens it did not sample, so a controlled request runs as *segments*, each
+one vLLM request (``docs/controllers.md``). The hook inside vLLM (``controller_hook``) masks
+every step and ends a segment, by allowing only its stop token (EOS), when the controller stops,
+fails or asks for fast-forward. Between segments this driver asks the runtime (side channel,
+``advance``) what the controller wants, appends forced tokens as ``TokenEvent(forced=True)``,
+and resubmits ``prompt + output so far``; vLLM's prefix cache keeps that prefill cheap.
+
+The segment's last token is never reported to the controller by the hook (vLLM finishes the
+request at that step). It is either the stop token the hook forced (dropped: the controller
+ended the segment) or a token the model sampled (reported here with ``advance``): a sampled EOS
+is an ordinary token to a controller, as in AICI, where only the controller or the token budget
+ends generation.
+
+Not yet: backtrack, fork and suspend (the request ends with an error saying so), and logs /
+storage from steps inside the engine (only ``advance``'s reach the driver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from engines.controllers.shm import ChannelError, RuntimeReplyError, SideClient
+from protocols.internal import (
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    FinishReason,
+    GenerateRequest,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+
+__all__ = ["ControlledRun", "Segment", "refusal"]
+
+SIDE_TIMEOUT_S = 10.0
+_seq_ids = itertools.count(1)
+
+
+@dataclass
+class Segment:
+    """What one vLLM request of the run ended with."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish: str = ""  # vLLM's finish_reason: "stop" / "length" / "abort"
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, from vLLM's prefix cache
+
+
+class _ControllerFailed(Exception):
+    def __init__(self, message: str, user: bool) -> None:
+        super().__init__(message)
+        self.user = user
+
+
+class ControlledRun:
+    """One controlled request. ``run_segment(prompt_ids, max_tokens, binding)`` is the engine's:
+    it yields the segment's TokenEvents (the last one with ``last``) and returns through
+    ``Segment`` how it ended."""
+
+    def __init__(self, request: GenerateRequest, prompt_ids: list[int], max_tokens: int,
+                 side: SideClient, tokenizer: Any, eos: int,
+                 run_segment: Callable[[list[int], int, dict, Segment], AsyncIterator[Event]]):
+        assert request.controller is not None
+        self.request = request
+        self.prompt_ids = list(prompt_ids)
+        self.max_tokens = max_tokens
+        self.side = side
+        self.tokenizer = tokenizer
+        self.eos = eos
+        self.run_segment = run_segment
+        self.req_id = f"{request.request_id}-{os.urandom(4).hex()}"
+        self.out: list[int] = []
+        self.forced = 0
+        self.carry = ""  # text of a dropped stop token's delta, for the next event
+        self.started = time.monotonic()
+        self.first_token: float | None = None
+        self.segments: list[Segment] = []  # what each vLLM request did (tests, logs)
+
+    async def _side(self, op: str, **fields: Any) -> dict:
+        fut: Future = self.side.request(op, timeout=SIDE_TIMEOUT_S, **fields)
+        try:
+            return await asyncio.wrap_future(fut)
+        except RuntimeReplyError as exc:
+            raise _ControllerFailed(str(exc), exc.is_user_error) from None
+        except ChannelError as exc:
+            raise _ControllerFailed(f"controller runtime unreachable: {exc}", False) from None
+
+    async def _advance(self, tokens: list[int]) -> dict:
+        state = await self._side("advance", req_id=self.req_id, tokens=tokens)
+        if state.get("error"):
+            raise _ControllerFailed(f"controller failed: {state['error']}", True)
+        return state
+
+    async def stream(self) -> AsyncIterator[Event]:
+        spec = self.request.controller
+        assert spec is not None
+        refused = refusal(self.request)
+        if refused is not None:
+            yield refused
+            return
+        try:
+            await self._side("instantiate", req_id=self.req_id, prompt=self.prompt_ids,
+                             module_id=spec.module, module_arg=spec.arg)
+            async for event in self._segments():
+                yield event
+        except _ControllerFailed as exc:
+            yield ErrorEvent(kind="validation" if exc.user else "engine", param="controller",
+                             message=str(exc))
+        finally:
+            try:  # no need to wait: a lost release is dropped by the runtime's idle TTL
+                self.side.request("release", timeout=SIDE_TIMEOUT_S, req_id=self.req_id)
+            except ChannelError:
+                pass
+
+    async def _segments(self) -> AsyncIterator[Event]:
+        state = await self._advance([])  # the first pre_process: forced text costs no prefill
+        while True:
+            if len(self.out) >= self.max_tokens:
+                yield self._final("length")
+                return
+            if state.get("stop"):
+                yield self._final("eos")
+                return
+            pre = state.get("pre") or {}
+            if pre.get("suspend") or pre.get("num_forks", 1) != 1:
+                raise _ControllerFailed("the controller forked or suspended, which the vllm "
+                                        "engine does not support yet", True)
+            forced = list(pre.get("ff_tokens") or [])
+            if forced:
+                room = self.max_tokens - len(self.out)
+                for event in self._forced(forced[:room]):
+                    yield event
+                if len(forced) >= room:
+                    yield self._final("length")
+                    return
+                state = await self._advance(forced)
+                continue
+            segment = Segment(prompt_tokens=len(self.prompt_ids) + len(self.out))
+            self.segments.append(segment)
+            binding = {"seq": next(_seq_ids), "req_id": self.req_id}
+            held: TokenEvent | None = None
+            async for event in self.run_segment(self.prompt_ids + self.out,
+                                                self.max_tokens - len(self.out), binding,
+                                                segment):
+                if isinstance(event, ErrorEvent):
+                    yield event
+                    return
+                if not isinstance(event, TokenEvent):
+                    continue
+                if held is not None:
+                    yield held
+                    held = None
+                if event.last:  # the segment's last token: kept or dropped below
+                    held = event
+                    continue
+                self.out.append(event.token_id)
+                yield self._emit(event, last=False)
+            if held is None:  # ended without a token (aborted)
+                yield self._final("abort")
+                return
+            last = held.token_id
+            if segment.finish == "stop" and last == self.eos:
+                # The hook's forced end, or an EOS the model sampled? The runtime knows.
+                state = await self._advance([])
+                if state.get("stop") or _acts(state.get("pre")):
+                    self.carry += _without(held.text, self._text([last]))
+                    continue
+                self.out.append(last)
+                yield self._emit(held, last=False)
+                state = await self._advance([last])
+                continue
+            self.out.append(last)
+            if segment.finish == "stop":  # a stop token id of the client's
+                yield self._emit(held, last=True)
+                yield self._final("stop_sequence", segment.stop_reason)
+                return
+            if segment.finish == "length" or len(self.out) >= self.max_tokens:
+                yield self._emit(held, last=True)
+                yield self._final("length")
+                return
+            yield self._final("abort" if segment.finish == "abort" else "error")
+            return
+
+    def _emit(self, event: TokenEvent, last: bool) -> TokenEvent:
+        """A segment's token as the run's: the run's ``last``, and any carried text."""
+        if self.first_token is None:
+            self.first_token = time.monotonic()
+        changes: dict[str, Any] = {}
+        if event.last != last:
+            changes["last"] = last
+        if self.carry:
+            changes["text"], self.carry = self.carry + event.text, ""
+        return msgspec.structs.replace(event, **changes) if changes else event
+
+    def _forced(self, tokens: list[int]) -> list[TokenEvent]:
+        events = []
+        for token in tokens:
+            before = self._text(self.out[-6:])
+            self.out.append(token)
+            self.forced += 1
+            after = self._text(self.out[-7:])
+            text = after[len(before):] if after.startswith(before) and \
+                not after.endswith("\ufffd") else ""
+            events.append(TokenEvent(token_id=token, text=self.carry + text, forced=True,
+                                     piece=text if self.request.output.token_pieces else None,
+                                     elapsed_s=time.monotonic() - self.started))
+            self.carry = ""
+        return events
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.request.output
+                                     .skip_special_tokens)
+
+    def _final(self, reason: FinishReason, stop_reason: str | int | None = None) -> FinalEvent:
+        now = time.monotonic()
+        first = self.first_token or now
+        return FinalEvent(finish_reason=reason, stop_reason=stop_reason, text=self.carry,
+                          usage=Usage(prompt_tokens=len(self.prompt_ids),
+                                      completion_tokens=len(self.out),
+                                      forced_tokens=self.forced),
+                          timings=Timings(ttft_s=first - self.started, decode_s=now - first))
+
+
+def refusal(request: GenerateRequest) -> ErrorEvent | None:
+    """What a controlled request cannot be combined with here: it runs as segments, and only
+    the controller or the token budget ends it."""
+    s, out = request.sampling, request.output
+    why = param = None
+    if s.n != 1 or (s.best_of or 1) != 1:
+        why, param = "a controlled request has one choice (n = 1); controllers fork instead", "n"
+    elif s.stop:
+        why, param = ("stop sequences cannot be combined with a controller; the controller "
+                      "decides where generation stops"), "stop"
+    elif out.echo or out.prompt_logprobs is not None:
+        why = "echo and prompt_logprobs cannot be combined with a controller on this engine"
+        param = "prompt_logprobs" if out.prompt_logprobs is not None else "echo"
+    return None if why is None else ErrorEvent(kind="validation", message=why, param=param)
+
+
+def _acts(pre: dict | None) -> bool:
+    """Whether a pending pre result asks for something that ended the segment."""
+    if not pre:
+        return False
+    return bool(pre.get("ff_tokens") or pre.get("suspend") or pre.get("num_forks", 1) != 1)
+
+
+def _without(text: str, suffix: str) -> str:
+    return text[:-len(suffix)] if suffix and text.endswith(suffix) else text
+
