@@ -214,7 +214,9 @@ class ControlledRun:
             after = self._text(self.out[-7:])
             text = after[len(before):] if after.startswith(before) and \
                 not after.endswith("\ufffd") else ""
+            own = self._text([token]) if self.request.output.logprobs is not None else None
             events.append(TokenEvent(token_id=token, text=self.carry + text, forced=True,
+                                     token_text=own,
                                      piece=text if self.request.output.token_pieces else None,
                                      elapsed_s=time.monotonic() - self.started))
             self.carry = ""

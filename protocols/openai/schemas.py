@@ -57,6 +57,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     priority: Int64 = 0
     prompt_logprobs: int | None = None
+    # AICI-style controllers (docs/controllers.md): a tag and its argument
+    controller: str | None = None
+    controller_arg: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -9,9 +9,11 @@ from typing import TypeVar
 
 import msgspec
 
+from protocols.controllers import controller_spec, json_schema_controller
 from protocols.internal import (
     ChatMessage,
     ChatPrompt,
+    ControllerSpec,
     GenerateRequest,
     OutputOptions,
     Sampling,
@@ -68,6 +70,29 @@ def _param_of(exc: msgspec.ValidationError) -> str | None:
 def _check(condition: bool, message: str, param: str) -> None:
     if not condition:
         raise OpenAIError(400, message, param)
+
+
+def _controller(body: _Sampling, response_format: dict | None = None) -> ControllerSpec | None:
+    """``controller`` / ``controller_arg``, or chat's ``response_format`` (json_schema,
+    json_object), which the built-in ``llguidance`` controller enforces."""
+    kind = (response_format or {}).get("type", "text")
+    try:
+        if kind == "text" or response_format is None:
+            return controller_spec(body.controller, body.controller_arg)
+        _check(body.controller is None, "response_format and controller cannot be combined",
+               "response_format")
+        if kind == "json_object":
+            return json_schema_controller(None)
+        _check(kind == "json_schema", f"response_format type {kind!r} is not supported; use "
+               "'text', 'json_object' or 'json_schema'", "response_format")
+        schema = (response_format or {}).get("json_schema")
+        _check(isinstance(schema, dict) and "schema" in schema,
+               "response_format json_schema needs json_schema.schema", "response_format")
+        assert isinstance(schema, dict)
+        return json_schema_controller(schema["schema"])
+    except ValueError as exc:
+        param = "response_format" if kind != "text" else "controller"
+        raise OpenAIError(400, str(exc), param) from None
 
 
 def _sampling(body: _Sampling, max_tokens: int | None) -> Sampling:
@@ -152,6 +177,7 @@ def completion_requests(body: CompletionRequest, model: str, request_id: str) ->
     sampling = _sampling(body, max_tokens)
     prompts = _prompts(body.prompt, body.add_special_tokens)
     output = _output(body, body.logprobs, body.echo, len(prompts))
+    controller = _controller(body)
     return [
         GenerateRequest(
             request_id=f"{request_id}-{i}" if len(prompts) > 1 else request_id,
@@ -160,6 +186,7 @@ def completion_requests(body: CompletionRequest, model: str, request_id: str) ->
             sampling=sampling,
             output=output,
             priority=body.priority,
+            controller=controller,
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -201,8 +228,6 @@ def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
 def chat_request(body: ChatCompletionRequest, model: str, request_id: str) -> GenerateRequest:
     tools_requested = body.tools and body.tool_choice != "none"
     _check(not tools_requested, "tool calling is not supported by this gateway", "tools")
-    _check(body.response_format is None or body.response_format.get("type") == "text",
-           "response_format other than 'text' is not supported yet", "response_format")
     _check(body.top_logprobs is None or body.logprobs,
            "top_logprobs requires logprobs to be true", "top_logprobs")
     _check(body.top_logprobs is None or 0 <= body.top_logprobs <= 20,
@@ -220,4 +245,5 @@ def chat_request(body: ChatCompletionRequest, model: str, request_id: str) -> Ge
         sampling=_sampling(body, max_tokens),
         output=_output(body, logprobs),
         priority=body.priority,
+        controller=_controller(body, body.response_format),
     )

@@ -35,7 +35,8 @@ _OPENAI_FIELDS = ["model", "max_tokens", "temperature", "top_p", "n", "best_of",
                   "stop", "logprobs", "echo", "logit_bias", "seed", "priority", "min_tokens",
                   "presence_penalty", "frequency_penalty", "stream_options", "top_k",
                   "ignore_eos", "prompt_logprobs", "response_format", "suffix", "user",
-                  "repetition_penalty", "stop_token_ids", "include_stop_str_in_output"]
+                  "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
+                  "controller", "controller_arg"]
 
 # path → (a valid body, top-level fields to vary, fields of "parameters" to vary)
 ROUTES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {

@@ -1,0 +1,125 @@
+"""Controllers end to end: openai SDK → Ray Serve → vLLM replica with the controller hook and
+the runtime actor beside it (embedded model).
+
+Oracles: the grammar itself (``re.fullmatch``, ``json.loads`` + the schema's rules) and vLLM's
+own unconstrained distribution through the plain path (a masked greedy step must pick the
+best token the mask allows).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL
+
+PROMPT = "Q: How many apples are in the basket?\nA: There are"
+REGEX = r" [0-9]{2} apples\."
+
+
+def _guidance_regex(pattern: str) -> dict:
+    return {"grammar": {"grammars": [{"lark_grammar": f"start: /{pattern}/"}]}}
+
+
+def _controlled(client):
+    return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"controller": "llguidance",
+                                                 "controller_arg": _guidance_regex(REGEX)})
+
+
+def _ids(http, text: str) -> list[int]:
+    return http.post("/tokenize", json={"model": MODEL, "prompt": text,
+                                        "add_special_tokens": False}).json()["tokens"]
+
+
+def test_a_regex_controller_output_matches_and_each_sampled_step_is_the_best_allowed(
+        openai_client, http):
+    result = openai_client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1,
+        extra_body={"controller": "llguidance", "controller_arg": _guidance_regex(REGEX)})
+    choice = result.choices[0]
+    assert re.fullmatch(REGEX, choice.text), choice.text
+    assert choice.finish_reason == "stop"  # the controller stopped at the grammar's end
+    tokens = choice.logprobs.tokens
+    assert "".join(tokens) == choice.text
+    digits = [i for i, t in enumerate(tokens) if t.isdigit()]
+    assert digits, tokens
+    # The run's token ids: each token's text is one token of the vocabulary.
+    ids = [_ids(http, t) for t in tokens]
+    assert all(len(i) == 1 for i in ids), ids
+    prompt_ids = _ids(http, PROMPT)
+    for i in digits:
+        # vLLM's own next-token distribution at that point (same ids, no retokenization),
+        # unconstrained: the mask allows only digits there, so greedy picks the likeliest.
+        plain = openai_client.completions.create(
+            model=MODEL, prompt=prompt_ids + [t[0] for t in ids[:i]], max_tokens=1,
+            temperature=0, logprobs=20)
+        top = plain.choices[0].logprobs.top_logprobs[0]
+        allowed = {t: lp for t, lp in top.items() if re.fullmatch(r"[0-9]+", t)}
+        assert allowed, top
+        # ties are common in this small model ('1' and '2' share a logprob): the pick must be
+        # one of the best
+        assert tokens[i] in allowed, (i, tokens, top)
+        assert allowed[tokens[i]] >= max(allowed.values()) - 1e-6, (i, tokens, top)
+
+
+def test_masks_that_do_not_bind_leave_greedy_output_as_vllm_alone(openai_client):
+    plain = openai_client.completions.create(model=MODEL, prompt="The capital of France is",
+                                             max_tokens=6, temperature=0)
+    text = plain.choices[0].text
+    controlled = openai_client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+        extra_body={"controller": "none"})
+    assert controlled.choices[0].text == text
+    assert controlled.usage.completion_tokens == 6 and controlled.choices[0].finish_reason == \
+        "length"
+
+
+def test_streaming_a_controlled_request_gives_the_same_text(openai_client):
+    whole = _controlled(openai_client)
+    chunks = list(openai_client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+        extra_body={"controller": "llguidance", "controller_arg": _guidance_regex(REGEX)}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert re.fullmatch(REGEX, whole.choices[0].text)
+
+
+def test_chat_response_format_json_schema_gives_json_that_follows_it(openai_client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "sunny"],
+              "properties": {"city": {"type": "string", "maxLength": 12},
+                             "sunny": {"type": "boolean"}}}
+    result = openai_client.chat.completions.create(
+        model=MODEL, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Describe the weather in Paris as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    value = json.loads(result.choices[0].message.content)
+    assert set(value) == {"city", "sunny"}
+    assert isinstance(value["city"], str) and len(value["city"]) <= 12
+    assert isinstance(value["sunny"], bool)
+
+
+@pytest.mark.parametrize("extra, param, needle", [
+    ({"controller": "no-such"}, "controller", "unknown controller"),
+    ({"controller": "llguidance", "controller_arg": {"grammar": {"grammars": [
+        {"lark_grammar": "start: /[0-9/"}]}}}, "controller", "llguidance"),
+    ({"controller": "llguidance", "controller_arg": "not json"}, "controller", "not JSON"),
+    ({"controller": "none", "n": 2}, "n", "one choice"),
+    ({"controller": "none", "stop": ["x"]}, "stop", "stop sequences"),
+])
+def test_bad_controller_requests_are_400_in_openai_shape(openai_client, extra, param, needle):
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.completions.create(model=MODEL, prompt="Hi", max_tokens=4,
+                                          extra_body=extra)
+    error = info.value.body
+    assert error["param"] == param and needle in error["message"], error
+
+
+def test_the_replica_serves_plain_requests_after_controller_failures(openai_client):
+    with pytest.raises(openai.BadRequestError):
+        openai_client.completions.create(model=MODEL, prompt="Hi", max_tokens=4,
+                                          extra_body={"controller": "no-such"})
+    result = openai_client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    assert result.usage.completion_tokens == 4
