@@ -338,3 +338,77 @@ def test_the_runtime_over_shared_memory_answers_the_engine_end():
         side.close()
         main.close()
         bias.close()
+
+
+# --- between segments: advance and release (the frontend driver's side ops) ---------------
+
+class Counting(Scripted):
+    """Scripted, counting its pre_process calls (each must follow a post_process once)."""
+
+    pres = 0
+
+    def pre_process(self):
+        Counting.pres += 1
+        return super().pre_process()
+
+
+def _advance(rt, req_id, tokens=()):
+    answer = _side(rt, {"op": "advance", "$rid": "a", "req_id": req_id, "tokens": list(tokens)})
+    assert answer["type"] == "ok", answer
+    return answer["data"]
+
+
+def test_advance_runs_the_pre_process_owed_once_and_reports_it_until_the_next_post():
+    Counting.pres = 0
+    rt = ControllerRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
+    _instantiate(rt, "run-a", "ff=5,6 var=v", module="counting")
+    first = _advance(rt, "run-a")
+    assert first["pre"] == {"suspend": False, "num_forks": 1, "ff_tokens": [5, 6]}
+    assert first["stop"] is False and first["error"] == ""
+    assert _advance(rt, "run-a")["pre"] == first["pre"] and Counting.pres == 1
+    after = _advance(rt, "run-a", [5, 6])  # the forced tokens, appended by the frontend
+    assert after["pre"] == {"suspend": False, "num_forks": 1, "ff_tokens": []}
+    assert Counting.pres == 2
+    assert after["storage"][0]["WriteVar"]["value"] == bytes([5, 6]).hex()
+    # The segment that follows binds it: its pre_process was already run, so not again.
+    data = _step(rt, pre_ops=[{"id": 3, "req_id": "run-a"}])
+    assert "3" not in data["pre_seqs"] and Counting.pres == 2
+    data = _step(rt, post_ops=[{"id": 3, "tokens": [9], "backtrack": 0}])
+    assert data["post_seqs"]["3"]["result"] == {"stop": False}
+    assert data["pre_seqs"]["3"]["result"]["ff_tokens"] == [] and Counting.pres == 3
+
+
+def test_advance_takes_a_controller_away_from_the_engine_even_before_its_freed_notice():
+    Counting.pres = 0
+    rt = ControllerRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
+    _instantiate(rt, "run-b", "", module="counting")
+    _step(rt, pre_ops=[{"id": 7, "req_id": "run-b"}])
+    assert Counting.pres == 1
+    # The segment ended in the engine; the frontend reports its last token first.
+    state = _advance(rt, "run-b", [4])
+    assert state["pre"]["ff_tokens"] == [] and Counting.pres == 2
+    # A late step still names sequence 7: it is no longer this controller's.
+    data = _step(rt, post_ops=[{"id": 7, "tokens": [1], "backtrack": 0}], freed=[7])
+    assert "unknown sequence 7" in data["post_seqs"]["7"]["error"] and Counting.pres == 2
+    # ... and a new segment binds it under a new id.
+    data = _step(rt, pre_ops=[{"id": 8, "req_id": "run-b"}])
+    assert "8" not in data["pre_seqs"]  # pre already run by advance
+
+
+def test_advance_reports_stop_and_failures_and_release_forgets_the_controller():
+    rt = _runtime()
+    _instantiate(rt, "run-s", "stop-after=2")
+    assert _advance(rt, "run-s", [1])["stop"] is False
+    stopped = _advance(rt, "run-s", [2])
+    assert stopped["stop"] is True and stopped["pre"] is None
+    _instantiate(rt, "run-f", "raise-mid")
+    _step(rt, pre_ops=[{"id": 1, "req_id": "run-f"}])
+    mid = rt.handle_main({"op": "mid_process", "ops": [{"id": 1, "clone_id": None}]})
+    assert "controller bug" in mid["data"]["seqs"]["1"]["error"]
+    assert "controller bug" in _advance(rt, "run-f")["error"]
+    assert _side(rt, {"op": "release", "$rid": "x", "req_id": "run-s"})["data"] == \
+        {"released": True}
+    gone = _side(rt, {"op": "advance", "$rid": "y", "req_id": "run-s"})
+    assert gone["type"] == "error" and "no controller" in gone["error"]
+    bad = _side(rt, {"op": "advance", "$rid": "z", "req_id": "run-f", "tokens": ["a"]})
+    assert bad["type"] == "error" and bad["is_user_error"]
