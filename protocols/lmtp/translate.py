@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from protocols.controllers import controller_spec
 from protocols.internal import GenerateRequest, OutputOptions, Sampling, TokenPrompt
 from protocols.jsonvalues import is_int, is_number
 
@@ -21,7 +22,7 @@ _EXTRA_ARGS = {
     "seed": "seed",
 }
 _CONSUMED = {"model", "prompt", "stream_id", "logit_bias", "max_tokens", "temperature",
-             "top_logprobs", "scored"}
+             "top_logprobs", "scored", "controller", "controller_arg"}
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_TOP_LOGPROBS = 1
 
@@ -91,11 +92,16 @@ def generate_request(payload: dict[str, Any], request_id: str) -> GenerateReques
                             logit_bias=_logit_bias(payload.get("logit_bias")), **extras)
     except (TypeError, ValueError) as exc:
         raise LMTPError(f"invalid decoder arguments: {exc}") from None
+    try:  # AICI-style controllers (docs/controllers.md): an extension of this gateway
+        controller = controller_spec(payload.get("controller"), payload.get("controller_arg"))
+    except ValueError as exc:
+        raise LMTPError(str(exc)) from None
     return GenerateRequest(
         request_id=request_id,
         model=payload["model"],
         prompt=TokenPrompt(token_ids=prompt),
         sampling=sampling,
+        controller=controller,
         # Skip nothing: LMTP is token based, the text is never used.
         output=OutputOptions(logprobs=top_logprobs, skip_special_tokens=False),
     )

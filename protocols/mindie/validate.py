@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from protocols.controllers import controller_spec
 from protocols.internal import GenerateRequest, OutputOptions, Sampling, TextPrompt
 from protocols.jsonvalues import is_int, is_number
 from protocols.mindie.errors import invalid
@@ -187,6 +188,10 @@ def to_request(body: Any, model: str, vocab_size: int, fallback_id: str, *, stre
     )
     if _words(knobs.get("bad_words"), "bad_words"):
         raise invalid("Parameter bad_words is not supported by this server.")
+    try:  # AICI-style controllers (docs/controllers.md): an extension of this gateway
+        controller = controller_spec(knobs.get("controller"), knobs.get("controller_arg"))
+    except ValueError as exc:
+        raise invalid(f"Parameter {exc}.") from None
     request = GenerateRequest(
         request_id=f"mindie-{request_id}-{fallback_id}",
         model=model,
@@ -197,5 +202,6 @@ def to_request(body: Any, model: str, vocab_size: int, fallback_id: str, *, stre
         output=OutputOptions(skip_special_tokens=True, splices="append" if stream else "retract"),
         priority=DEFAULT_PRIORITY if priority is None else priority,
         timeout_s=float(DEFAULT_TIMEOUT_S if timeout is None else timeout),
+        controller=controller,
     )
     return request, MindIEOptions(id=request_id, details=details)

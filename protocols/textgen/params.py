@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from protocols.internal import OutputOptions, Sampling
+from protocols.controllers import controller_spec, json_schema_controller, regex_controller
+from protocols.internal import ControllerSpec, OutputOptions, Sampling
 from protocols.jsonvalues import is_int, is_number
 
 __all__ = ["LMI", "LMI_TGI_COMPAT", "TGI", "Dialect", "Generation", "InvalidParameters",
@@ -53,7 +54,7 @@ _KNOWN = frozenset({
     "num_beams", "length_penalty", "early_stopping", "stop_token_ids",
     "include_stop_str_in_output", "ignore_eos_token", "ignore_eos", "logprobs", "prompt_logprobs",
     "skip_special_tokens", "spaces_between_special_tokens", "truncate", "top_n_tokens",
-    "watermark", "grammar", "adapter_id", "adapters",
+    "watermark", "grammar", "adapter_id", "adapters", "controller", "controller_arg",
 })
 
 
@@ -69,6 +70,7 @@ class Generation:
     top_n_tokens: int
     seed: int | None  # reported back (TGI details.seed)
     truncate: int | None  # keep only the last N prompt tokens
+    controller: ControllerSpec | None = None
 
 
 def decode_json(data: bytes) -> Any:
@@ -176,8 +178,6 @@ def _token_ids(p: dict) -> tuple[int, ...]:
 def _refuse_unsupported(p: dict, dialect: Dialect) -> None:
     if _flag(p, "watermark"):
         raise InvalidParameters("`watermark` is not supported by this server.")
-    if p.get("grammar") is not None:
-        raise InvalidParameters("`grammar` (guided decoding) is not supported by this server.")
     for key in ("adapter_id", "adapters"):
         if p.get(key) is not None:
             raise InvalidParameters(f"LoRA adapters are not served here (`{key}`: {p[key]!r}).")
@@ -271,5 +271,28 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
         details=dialect.default_details if details is None else details,
         return_full_text=bool(_flag(p, "return_full_text")), prefill=prefill,
         top_n_tokens=top_n, seed=seed if sample else None,
-        truncate=truncate,
+        truncate=truncate, controller=_controller(p),
     )
+
+
+def _controller(p: dict) -> ControllerSpec | None:
+    """TGI's ``grammar`` (``{"type": "json" | "regex", "value": ...}``), run by the built-in
+    ``llguidance`` controller, or a named ``controller`` with its ``controller_arg``."""
+    grammar = p.get("grammar")
+    try:
+        if grammar is None:
+            return controller_spec(p.get("controller"), p.get("controller_arg"))
+        if p.get("controller") is not None:
+            raise ValueError("`grammar` and `controller` cannot be combined.")
+        if not isinstance(grammar, dict) or "value" not in grammar:
+            raise ValueError('`grammar` is {"type": "json" | "regex", "value": ...}.')
+        kind, value = grammar.get("type"), grammar["value"]
+        if kind in ("json", "json_object", "json_schema"):
+            if isinstance(value, str):
+                value = msgspec.json.decode(value)
+            return json_schema_controller(value or None)
+        if kind == "regex":
+            return regex_controller(value)
+        raise ValueError(f"`grammar` type {kind!r} is not supported; use 'json' or 'regex'.")
+    except (ValueError, msgspec.DecodeError) as exc:
+        raise InvalidParameters(str(exc)) from None

@@ -40,7 +40,8 @@ async def start_generation(engine: EngineClient, model: str, inputs: str,
         if len(ids) > gen.truncate:
             prompt = TokenPrompt(token_ids=ids[-gen.truncate:])
     request = GenerateRequest(request_id=uuid.uuid4().hex, model=model, prompt=prompt,
-                              sampling=gen.sampling, output=gen.output)
+                              sampling=gen.sampling, output=gen.output,
+                              controller=gen.controller)
     peeked = await peek(engine.generate(request))
     if peeked.error is not None:
         raise GenerationFailed(peeked.error)

@@ -123,3 +123,50 @@ def test_the_replica_serves_plain_requests_after_controller_failures(openai_clie
                                           extra_body={"controller": "no-such"})
     result = openai_client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
     assert result.usage.completion_tokens == 4
+
+
+# --- the other protocols' controller fields, with their real clients where there is one -----
+
+def test_tgi_grammar_regex_with_the_text_generation_client(gateway_url):
+    import text_generation
+    from text_generation.types import Grammar, GrammarType
+
+    client = text_generation.Client(gateway_url, timeout=120)
+    pattern = r" [0-9]{2} apples\."
+    whole = client.generate(PROMPT, max_new_tokens=12,
+                            grammar=Grammar(type=GrammarType.Regex, value=pattern))
+    assert re.fullmatch(pattern, whole.generated_text), whole.generated_text
+    assert whole.details.finish_reason == text_generation.types.FinishReason.EndOfSequenceToken
+    stream = list(client.generate_stream(PROMPT, max_new_tokens=12,
+                                         grammar=Grammar(type=GrammarType.Regex, value=pattern)))
+    assert "".join(r.token.text for r in stream) == whole.generated_text
+    assert [t.id for t in whole.details.tokens] == [r.token.id for r in stream]
+
+
+def test_tgi_grammar_json_schema(gateway_url):
+    import text_generation
+    from text_generation.types import Grammar, GrammarType
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    client = text_generation.Client(gateway_url, timeout=120)
+    result = client.generate("How many apples? Answer in JSON: ", max_new_tokens=24,
+                             grammar=Grammar(type=GrammarType.Json, value=schema))
+    value = json.loads(result.generated_text)
+    assert set(value) == {"n"} and isinstance(value["n"], int) and 0 <= value["n"] <= 99
+
+
+def test_lmi_and_mindie_parameters_controller(http):
+    arg = _guidance_regex(REGEX)
+    lmi = http.post("/invocations", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 12, "controller": "llguidance", "controller_arg": arg}})
+    assert lmi.status_code == 200, lmi.text
+    text = lmi.json()["generated_text"]
+    assert re.fullmatch(REGEX, text), text
+    mindie = http.post(f"/v2/models/{MODEL}/generate", json={"text_input": PROMPT, "parameters": {
+        "max_new_tokens": 12, "controller": "llguidance", "controller_arg": arg}})
+    assert mindie.status_code == 200, mindie.text
+    assert mindie.json()["text_output"] == text
+    bad = http.post(f"/v2/models/{MODEL}/generate", json={"text_input": PROMPT, "parameters": {
+        "controller": "no-such"}})
+    assert bad.status_code == 422 and "unknown controller" in bad.json()["error"], bad.text

@@ -34,3 +34,10 @@ def test_the_protocol_bench_imports_and_starts_only_layouts_compare_knows():
     assert set(protocols.LAYOUTS.values()) <= set(compare.STARTERS)
     assert {protocols.LAYOUTS[k] for k in ("default", "fast")} == {
         "gateway", "gateway-colocated-haproxy"}
+
+
+def test_the_controller_benches_import():
+    # they reuse bench/pipeline.py's _cpu_flags; an import error would only show when measuring
+    from bench import controlled_throughput, controllers
+    assert controlled_throughput.REGEX["grammar"]["grammars"][0]["lark_grammar"]
+    assert callable(controllers.measure)

@@ -120,7 +120,9 @@ def test_beam_only_knobs_accepted_without_beams():
     ({"stop_sequences": [""]}, "stop_sequences"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"n": 0}, "n"), ({"best_of": 0}, "best_of"), ({"logprobs": -1}, "logprobs"),
     ({"num_beams": 2}, "num_beams"), ({"typical_p": 0.5}, "typical_p"),
-    ({"watermark": True}, "watermark"), ({"grammar": {"type": "json", "value": {}}}, "grammar"),
+    ({"watermark": True}, "watermark"), ({"grammar": {"type": "xml", "value": "x"}}, "grammar"),
+    ({"grammar": {"type": "regex"}}, "grammar"), ({"controller": 5}, "controller"),
+    ({"controller_arg": "x"}, "controller"),
     ({"adapters": "lora1"}, "adapters"), ({"truncate": 0}, "truncate"),
     ({"n": 2}, "sampling"), ({"best_of": 2, "do_sample": False}, "sampling"),
     ({"prompt_logprobs": 2}, "prompt_logprobs"),
@@ -171,3 +173,18 @@ def test_list_inputs_only_where_allowed():
     for bad in ({"inputs": []}, {"inputs": ["a", 1]}, {"inputs": ["a", ""]}):
         with pytest.raises(InvalidParameters):
             parse_body(bad, allow_list=True)
+
+
+def test_grammar_and_controller_fields_become_the_request_controller():
+    import json
+
+    gen = _lmi(grammar={"type": "regex", "value": "[0-9]+/x"})
+    assert gen.controller.module == "llguidance"
+    assert json.loads(gen.controller.arg) == {
+        "grammar": {"grammars": [{"lark_grammar": "start: /[0-9]+\\/x/"}]}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    gen = _lmi(grammar={"type": "json", "value": json.dumps(schema)})
+    assert json.loads(gen.controller.arg)["grammar"]["grammars"][0]["json_schema"] == schema
+    gen = _lmi(controller="mine", controller_arg={"k": 1})
+    assert (gen.controller.module, gen.controller.arg) == ("mine", '{"k": 1}')
+    assert _lmi().controller is None
