@@ -84,6 +84,11 @@ class VLLMEngine:
         from engines.controllers.service import start_runtime
         from engines.controllers.shm import ChannelObjects, SideClient
 
+        if int(kwargs.get("tensor_parallel_size") or 1) > 1 or \
+                int(kwargs.get("pipeline_parallel_size") or 1) > 1:
+            # Every worker would run the hook and step the controllers once each.
+            raise ValueError(f"model {self.config.name!r}: controllers need one vLLM worker "
+                             "(tensor/pipeline parallel size 1); set controllers: null")
         # POSIX names are per host: the pid and a random part keep replicas apart.
         prefix = f"/llmgw-{os.getpid()}-{os.urandom(3).hex()}-"
         objects = ChannelObjects(prefix)
@@ -101,7 +106,11 @@ class VLLMEngine:
         extra = dict(kwargs.get("additional_config") or {})
         extra["aici_prefix"] = prefix
         hook = "engines.vllm.controller_hook:ControllerLogitsProcessor"
-        return {**kwargs, "additional_config": extra, "logits_processors": [*processors, hook]}
+        # Async scheduling (vLLM's default on GPUs; off on CPU) schedules a step before the
+        # last one's tokens are known: a finished segment's row could then report its stop
+        # token to the controller after the driver has taken the controller back.
+        return {"async_scheduling": False, **kwargs, "additional_config": extra,
+                "logits_processors": [*processors, hook]}
 
     def model_info(self) -> ModelInfo:
         return self._info
