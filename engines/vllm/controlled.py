@@ -85,6 +85,7 @@ class ControlledRun:
         self.out: list[int] = []
         self.forced = 0
         self.carry = ""  # text of a dropped stop token's delta, for the next event
+        self.pending: TokenEvent | None = None  # emitted once the next one is known
         self.started = time.monotonic()
         self.first_token: float | None = None
         self.segments: list[Segment] = []  # what each vLLM request did (tests, logs)
@@ -117,6 +118,8 @@ class ControlledRun:
             async for event in self._segments():
                 yield event
         except _ControllerFailed as exc:
+            for event in self._flush():
+                yield event
             yield ErrorEvent(kind="validation" if exc.user else "engine", param="controller",
                              message=str(exc))
         finally:
@@ -129,10 +132,12 @@ class ControlledRun:
         state = await self._advance([])  # the first pre_process: forced text costs no prefill
         while True:
             if len(self.out) >= self.max_tokens:
-                yield self._final("length")
+                for event in self._finish("length"):
+                    yield event
                 return
             if state.get("stop"):
-                yield self._final("eos")
+                for event in self._finish("eos"):
+                    yield event
                 return
             pre = state.get("pre") or {}
             if pre.get("suspend") or pre.get("num_forks", 1) != 1:
@@ -141,85 +146,99 @@ class ControlledRun:
             forced = list(pre.get("ff_tokens") or [])
             if forced:
                 room = self.max_tokens - len(self.out)
-                for event in self._forced(forced[:room]):
-                    yield event
+                for token_event in self._forced(forced[:room]):
+                    for event in self._hold(token_event):
+                        yield event
                 if len(forced) >= room:
-                    yield self._final("length")
-                    return
+                    continue  # the budget check above ends the run
                 state = await self._advance(forced)
                 continue
             segment = Segment(prompt_tokens=len(self.prompt_ids) + len(self.out))
             self.segments.append(segment)
             binding = {"seq": next(_seq_ids), "req_id": self.req_id}
-            held: TokenEvent | None = None
+            last: TokenEvent | None = None
             async for event in self.run_segment(self.prompt_ids + self.out,
                                                 self.max_tokens - len(self.out), binding,
                                                 segment):
                 if isinstance(event, ErrorEvent):
+                    for out in self._flush():
+                        yield out
                     yield event
                     return
                 if not isinstance(event, TokenEvent):
                     continue
-                if held is not None:
-                    yield held
-                    held = None
                 if event.last:  # the segment's last token: kept or dropped below
-                    held = event
+                    last = event
                     continue
-                self.out.append(event.token_id)
-                yield self._emit(event, last=False)
-            if held is None:  # ended without a token (aborted)
-                yield self._final("abort")
+                for out in self._hold(event):
+                    yield out
+            if last is None:  # ended without a token (aborted)
+                for event in self._finish("abort"):
+                    yield event
                 return
-            last = held.token_id
-            if segment.finish == "stop" and last == self.eos:
+            if segment.finish == "stop" and last.token_id == self.eos:
                 # The hook's forced end, or an EOS the model sampled? The runtime knows.
                 state = await self._advance([])
-                if state.get("stop") or _acts(state.get("pre")):
-                    self.carry += _without(held.text, self._text([last]))
+                if _acts(state.get("pre")) and not state.get("stop"):
+                    # ended for forced tokens: the stop token is not output
+                    self.carry += _without(last.text, self._text([last.token_id]))
                     continue
-                self.out.append(last)
-                yield self._emit(held, last=False)
-                state = await self._advance([last])
+                for event in self._hold(last):
+                    yield event
+                if not state.get("stop"):  # sampled: the controller sees it like any token
+                    state = await self._advance([last.token_id])
                 continue
-            self.out.append(last)
+            for event in self._hold(last):
+                yield event
             if segment.finish == "stop":  # a stop token id of the client's
-                yield self._emit(held, last=True)
-                yield self._final("stop_sequence", segment.stop_reason)
+                for event in self._finish("stop_sequence", segment.stop_reason):
+                    yield event
                 return
-            if segment.finish == "length" or len(self.out) >= self.max_tokens:
-                yield self._emit(held, last=True)
-                yield self._final("length")
+            if segment.finish != "length" and len(self.out) < self.max_tokens:
+                for event in self._finish("abort" if segment.finish == "abort" else "error"):
+                    yield event
                 return
-            yield self._final("abort" if segment.finish == "abort" else "error")
-            return
 
-    def _emit(self, event: TokenEvent, last: bool) -> TokenEvent:
-        """A segment's token as the run's: the run's ``last``, and any carried text."""
+    def _hold(self, event: TokenEvent) -> list[TokenEvent]:
+        """Append ``event``'s token to the output and keep it back until the next one (or the
+        end) says whether it is the run's last: encoders put the finish on that token."""
+        self.out.append(event.token_id)
         if self.first_token is None:
             self.first_token = time.monotonic()
-        changes: dict[str, Any] = {}
-        if event.last != last:
-            changes["last"] = last
         if self.carry:
-            changes["text"], self.carry = self.carry + event.text, ""
-        return msgspec.structs.replace(event, **changes) if changes else event
+            event = msgspec.structs.replace(event, text=self.carry + event.text)
+            self.carry = ""
+        out = self._flush()
+        self.pending = event
+        return out
+
+    def _flush(self, last: bool = False) -> list[TokenEvent]:
+        held, self.pending = self.pending, None
+        if held is None:
+            return []
+        return [held if held.last == last else msgspec.structs.replace(held, last=last)]
+
+    def _finish(self, reason: FinishReason,
+                stop_reason: str | int | None = None) -> list[Event]:
+        return [*self._flush(last=True), self._final(reason, stop_reason)]
 
     def _forced(self, tokens: list[int]) -> list[TokenEvent]:
+        """Their text by incremental detokenization from the output's tail (as vLLM's and
+        TGI's detokenizers: an incomplete character waits for the token that completes it)."""
         events = []
+        ids = self.out[-6:]
+        prefix, read = 0, len(ids)
         for token in tokens:
-            before = self._text(self.out[-6:])
-            self.out.append(token)
-            self.forced += 1
-            after = self._text(self.out[-7:])
-            text = after[len(before):] if after.startswith(before) and \
-                not after.endswith("\ufffd") else ""
+            ids.append(token)
+            before, after = self._text(ids[prefix:read]), self._text(ids[prefix:])
+            text = ""
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                text, prefix, read = after[len(before):], read, len(ids)
             own = self._text([token]) if self.request.output.logprobs is not None else None
-            events.append(TokenEvent(token_id=token, text=self.carry + text, forced=True,
-                                     token_text=own,
+            self.forced += 1
+            events.append(TokenEvent(token_id=token, text=text, forced=True, token_text=own,
                                      piece=text if self.request.output.token_pieces else None,
                                      elapsed_s=time.monotonic() - self.started))
-            self.carry = ""
         return events
 
     def _text(self, ids: list[int]) -> str:

@@ -170,3 +170,28 @@ def test_lmi_and_mindie_parameters_controller(http):
     bad = http.post(f"/v2/models/{MODEL}/generate", json={"text_input": PROMPT, "parameters": {
         "controller": "no-such"}})
     assert bad.status_code == 422 and "unknown controller" in bad.json()["error"], bad.text
+
+
+async def test_lmtp_generate_with_a_controller_streams_forced_and_masked_tokens(gateway_url):
+    import asyncio
+
+    import httpx
+    import websockets
+
+    ids = httpx.post(f"{gateway_url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    url = gateway_url.replace("http://", "ws://") + "/"
+    items: list[dict] = []
+    async with websockets.connect(url) as ws:
+        await ws.send("GENERATE " + json.dumps({
+            "model": MODEL, "prompt": ids, "stream_id": 1, "max_tokens": 12,
+            "controller": "llguidance", "controller_arg": _guidance_regex(REGEX)}))
+        async with asyncio.timeout(120):
+            while not items or not (items[-1].get("finish_reason") or items[-1].get("error")):
+                kind, _, body = (await ws.recv()).partition(" ")
+                assert kind == "TOKEN", body
+                items += json.loads(body)
+    assert all(i.get("error") is None for i in items), items
+    assert items[-1]["finish_reason"] == "stop"
+    detok = httpx.post(f"{gateway_url}/detokenize",
+                       json={"tokens": [i["token"] for i in items]}).json()["prompt"]
+    assert re.fullmatch(REGEX, detok), (detok, items)

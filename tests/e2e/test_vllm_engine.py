@@ -37,4 +37,4 @@ async def test_vllm_side_validation_is_a_validation_error(engine_handle):
 async def test_model_info_reports_vllm_and_its_dtype(engine_handle):
     info = await engine_handle.model_info.remote()
     assert info.engine == "vllm" and info.dtype in ("float32", "bfloat16", "float16")
-    assert info.capabilities.controllers == "none" and not info.capabilities.best_of_above_n
+    assert info.capabilities.controllers == "mask" and not info.capabilities.best_of_above_n

@@ -107,23 +107,26 @@ def _tokens(events):
 
 def test_forced_tokens_come_first_then_sampling_resumes_on_the_extended_prompt():
     events, model, side, _ = _run("ff=1,2 stop-after=4", [5, 6, 7])
-    assert _tokens(events) == [(1, True), (2, True), (5, False), (6, False)]
+    # the controller stops: the run ends on the stop token the hook forced (as a plain
+    # request ends on its EOS), which carries the finish
+    assert _tokens(events) == [(1, True), (2, True), (5, False), (6, False), (EOS, False)]
+    assert [e.last for e in events if isinstance(e, TokenEvent)] == [False] * 4 + [True]
     final = events[-1]
     assert isinstance(final, FinalEvent) and final.finish_reason == "eos"
-    assert final.usage.completion_tokens == 4 and final.usage.forced_tokens == 2
+    assert final.usage.completion_tokens == 5 and final.usage.forced_tokens == 2
     # forced text before any prefill: the one segment starts after them
     assert model.prompts == [[9, 9, 1, 2]]
     assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "abef"
     assert side.ops[0] == "instantiate" and side.ops[-1] == "release"
 
 
-def test_the_stop_token_the_hook_forces_is_dropped_and_a_sampled_eos_is_a_token():
+def test_a_sampled_eos_is_a_token_to_the_controller_and_the_run_goes_on():
     # the model samples EOS itself: an ordinary token to the controller, which goes on
     events, model, _, _ = _run("stop-after=3", [5, EOS, 6])
-    assert _tokens(events) == [(5, False), (EOS, False), (6, False)]
+    assert _tokens(events) == [(5, False), (EOS, False), (6, False), (EOS, False)]
     assert len(model.prompts) == 2 and model.prompts[1] == [9, 9, 5, EOS]
     assert events[-1].finish_reason == "eos"
-    assert [e.last for e in events if isinstance(e, TokenEvent)] == [False, False, False]
+    assert [e.last for e in events if isinstance(e, TokenEvent)] == [False, False, False, True]
 
 
 def test_the_token_budget_ends_the_run_with_length_and_last_on_the_last_token():
@@ -136,6 +139,7 @@ def test_the_token_budget_ends_the_run_with_length_and_last_on_the_last_token():
 def test_forced_tokens_beyond_the_budget_are_cut_at_it():
     events, model, *_ = _run("ff=1,2,3", [5], max_tokens=2)
     assert _tokens(events) == [(1, True), (2, True)]
+    assert [e.last for e in events if isinstance(e, TokenEvent)] == [False, True]
     assert events[-1].finish_reason == "length" and model.prompts == []
 
 
@@ -176,3 +180,30 @@ def test_what_cannot_combine_with_a_controller_is_refused_before_it_starts(reque
                                                                            param):
     events, _, side, _ = _run("", [5], **request_fields)
     assert len(events) == 1 and events[0].param == param and side.ops == []
+
+
+def test_the_stop_token_that_ends_a_segment_for_forced_tokens_is_not_output():
+    # "ff=7" after the first sampled token: the hook ends the segment on EOS, the driver drops
+    # it, appends 7 and resubmits
+    class LateForce(Scripted):
+        def pre_process(self):
+            result = super().pre_process()
+            if len(self.seen) == 1 and not getattr(self, "done", False):
+                self.done = True
+                result.ff_tokens = [7]
+            return result
+
+    rt = ControllerRuntime(FakeTokenizer(), {"late": LateForce}, None, Limits(step_s=1.0))
+    side, model = _Side(rt), _Model(rt, [5, 6])
+    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
+                          sampling=Sampling(max_tokens=4),
+                          controller=ControllerSpec(module="late", arg=""))
+    run = ControlledRun(req, [9], 4, side, _Tok(), EOS, model.segment)
+
+    async def collect():
+        return [e async for e in run.stream()]
+    events = asyncio.run(collect())
+    assert _tokens(events) == [(5, False), (7, True), (6, False), (5, False)]
+    assert model.prompts == [[9], [9, 5, 7]]
+    assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "egfe"
+    assert events[-1].finish_reason == "length"
