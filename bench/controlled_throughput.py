@@ -104,6 +104,7 @@ def main() -> None:
            "command": " ".join(["python", "bench/controlled_throughput.py", *sys.argv[1:]]),
            **result}
     path = ROOT / "bench" / "results" / "controlled_throughput.json"
+    path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out["vs_plain"]), f"wrote {path}")
 

@@ -246,8 +246,11 @@ class ControllerRuntime:
                 seqs[str(seq_id)] = _record(seq, None, seq.failed, 0)
             else:
                 calls[i] = (seq, seq.controller.mid_process)
+        unmasked = []
         for i, (value, error, micros) in self._run(calls, stateful=False).items():
             seq = calls[i][0]
+            if not error and value is None:
+                unmasked.append(i)
             if not error and value is not None and rows is not None:
                 try:
                     _apply_allowed(rows[i], value)
@@ -255,7 +258,9 @@ class ControllerRuntime:
                     error = seq.failed = f"mid_process returned an unusable mask: {exc}"
             seqs[str(ops[i]["id"])] = _record(seq, None, error, micros)
         del rows  # no view of the bias buffer outlives the step
-        return {"seqs": seqs, "num_seqs": len(ops)}
+        # Beyond the seed: rows left all-zero, which an engine that knows this may skip (the
+        # rows are written all the same, for engines that do not).
+        return {"seqs": seqs, "num_seqs": len(ops), "unmasked": sorted(unmasked)}
 
     def _run(self, calls: dict[Any, tuple[_Seq, Callable[[], Any]]],
              stateful: bool) -> dict[Any, tuple[Any, str, int]]:
@@ -265,6 +270,9 @@ class ControllerRuntime:
         for key, (seq, call) in calls.items():
             if seq.running is not None and not seq.running.done():
                 out[key] = self._timed_out(seq, stateful, still_running=True)
+                continue
+            if _is_default(call):  # the base class's no-op: no thread handoff for nothing
+                out[key] = (_timed(call)[0], "", 0)
                 continue
             seq.running = futures[key] = self._pool.submit(_timed, call)
         if futures:
@@ -460,6 +468,14 @@ class ControllerRuntime:
         except Exception as exc:  # a controller's own failure: the request fails, not us
             return error_reply(f"{type(exc).__name__}: {exc}")
         return _Seq(req_id, controller, ctx, [])
+
+
+_DEFAULTS = frozenset({Controller.pre_process, Controller.mid_process, Controller.post_process})
+
+
+def _is_default(call: Callable[[], Any]) -> bool:
+    method = getattr(call, "func", call)  # functools.partial of a bound method, or the method
+    return getattr(method, "__func__", None) in _DEFAULTS
 
 
 def _timed(call: Callable[[], Any]) -> tuple[Any, str, int]:

@@ -171,10 +171,16 @@ class ControllerLogitsProcessor(LogitsProcessor):
                                ops=[{"id": self._rows[i].seq, "clone_id": None} for i in rows])
         seqs = data.get("seqs") or {}
         width = min(self._vocab, logits.shape[1])
-        bias = torch.from_numpy(self._bias.rows(len(rows), self._vocab)[:, :width])
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        logits[index, :width] += bias.to(device=logits.device, dtype=logits.dtype)
-        del bias  # no view of the shm outlives the step
+        skip = set(data.get("unmasked") or ())  # all-zero rows (our runtime says which)
+        masked = [k for k in range(len(rows)) if k not in skip]
+        if masked:
+            bias = torch.from_numpy(self._bias.rows(len(rows), self._vocab)[:, :width])
+            if len(masked) < len(rows):
+                bias = bias[torch.tensor(masked, dtype=torch.long)]
+            index = torch.tensor([rows[k] for k in masked], dtype=torch.long,
+                                 device=logits.device)
+            logits[index, :width] += bias.to(device=logits.device, dtype=logits.dtype)
+            del bias  # no view of the shm outlives the step
         return {i for i in rows if (seqs.get(str(self._rows[i].seq)) or {}).get("error")}
 
     def _end(self, logits: torch.Tensor, rows: list[int], why: str) -> torch.Tensor:
