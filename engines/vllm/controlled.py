@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from engines.controllers.shm import ChannelError, RuntimeReplyError, SideClient
+from engines.controllers.shm import ChannelError, ChannelFull, RuntimeReplyError, SideClient
 from protocols.internal import (
     ErrorEvent,
     Event,
@@ -44,6 +45,7 @@ from protocols.internal import (
 
 __all__ = ["ControlledRun", "Segment", "refusal"]
 
+log = logging.getLogger(__name__)
 SIDE_TIMEOUT_S = 10.0
 _seq_ids = itertools.count(1)
 
@@ -60,9 +62,10 @@ class Segment:
 
 
 class _ControllerFailed(Exception):
-    def __init__(self, message: str, user: bool) -> None:
+    def __init__(self, message: str, user: bool, overloaded: bool = False) -> None:
         super().__init__(message)
         self.user = user
+        self.overloaded = overloaded
 
 
 class ControlledRun:
@@ -91,13 +94,18 @@ class ControlledRun:
         self.segments: list[Segment] = []  # what each vLLM request did (tests, logs)
 
     async def _side(self, op: str, **fields: Any) -> dict:
-        fut: Future = self.side.request(op, timeout=SIDE_TIMEOUT_S, **fields)
         try:
+            fut: Future = self.side.request(op, timeout=SIDE_TIMEOUT_S, **fields)
             return await asyncio.wrap_future(fut)
         except RuntimeReplyError as exc:
             raise _ControllerFailed(str(exc), exc.is_user_error) from None
+        except ChannelFull:
+            raise _ControllerFailed("too many controller requests in flight; retry later",
+                                    False, overloaded=True) from None
         except ChannelError as exc:
-            raise _ControllerFailed(f"controller runtime unreachable: {exc}", False) from None
+            # The channel's names stay in the log, not in the client's error.
+            log.error("controller runtime unreachable (%s): %s", self.req_id, exc)
+            raise _ControllerFailed("controller runtime unreachable", False) from None
 
     async def _advance(self, tokens: list[int]) -> dict:
         state = await self._side("advance", req_id=self.req_id, tokens=tokens)
@@ -120,8 +128,8 @@ class ControlledRun:
         except _ControllerFailed as exc:
             for event in self._flush():
                 yield event
-            yield ErrorEvent(kind="validation" if exc.user else "engine", param="controller",
-                             message=str(exc))
+            kind = "overloaded" if exc.overloaded else "validation" if exc.user else "engine"
+            yield ErrorEvent(kind=kind, param="controller", message=str(exc))
         finally:
             try:  # no need to wait: a lost release is dropped by the runtime's idle TTL
                 self.side.request("release", timeout=SIDE_TIMEOUT_S, req_id=self.req_id)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import pytest
 
 from engines.controllers.runtime import ControllerRuntime, Limits
-from engines.controllers.shm import RuntimeReplyError
+from engines.controllers.shm import ChannelFull, ChannelTimeout, RuntimeReplyError
 from engines.vllm.controlled import ControlledRun, Segment
 from protocols.internal import (
     ControllerSpec,
@@ -207,3 +207,28 @@ def test_the_stop_token_that_ends_a_segment_for_forced_tokens_is_not_output():
     assert model.prompts == [[9], [9, 5, 7]]
     assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "egfe"
     assert events[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("exc, kind, message", [
+    (ChannelFull("256 side requests already wait"), "overloaded", "retry later"),
+    (ChannelTimeout("/llmgw-1-abc-cmd-side: no free slot within 10 s"), "engine",
+     "controller runtime unreachable"),
+])
+def test_a_full_or_dead_side_channel_is_overload_or_an_engine_error_without_its_names(
+        exc, kind, message):
+    class Broken(_Side):
+        def request(self, op, auth=None, timeout=10.0, **fields):
+            self.ops.append(op)
+            raise exc
+
+    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits())
+    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
+                          sampling=Sampling(max_tokens=2),
+                          controller=ControllerSpec(module="scripted", arg=""))
+    run = ControlledRun(req, [9], 2, Broken(rt), _Tok(), EOS, _Model(rt, [5]).segment)
+
+    async def collect():
+        return [e async for e in run.stream()]
+    events = asyncio.run(collect())
+    assert len(events) == 1 and events[0].kind == kind and message in events[0].message
+    assert "/" not in events[0].message  # no shm names
