@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -34,6 +34,7 @@ import msgspec
 from engines.controllers.shm import ChannelError, ChannelFull, RuntimeReplyError, SideClient
 from protocols.internal import (
     ErrorEvent,
+    ErrorKind,
     Event,
     FinalEvent,
     FinishReason,
@@ -54,18 +55,15 @@ _seq_ids = itertools.count(1)
 class Segment:
     """What one vLLM request of the run ended with."""
 
-    tokens: list[int] = field(default_factory=list)
     finish: str = ""  # vLLM's finish_reason: "stop" / "length" / "abort"
     stop_reason: str | int | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # of the prompt, from vLLM's prefix cache
+    cached_tokens: int = 0  # of the prompt, from vLLM's prefix cache (logged)
 
 
 class _ControllerFailed(Exception):
-    def __init__(self, message: str, user: bool, overloaded: bool = False) -> None:
+    def __init__(self, message: str, kind: ErrorKind) -> None:
         super().__init__(message)
-        self.user = user
-        self.overloaded = overloaded
+        self.kind = kind
 
 
 class ControlledRun:
@@ -91,26 +89,26 @@ class ControlledRun:
         self.pending: TokenEvent | None = None  # emitted once the next one is known
         self.started = time.monotonic()
         self.first_token: float | None = None
-        self.segments: list[Segment] = []  # what each vLLM request did (tests, logs)
 
     async def _side(self, op: str, **fields: Any) -> dict:
         try:
             fut: Future = self.side.request(op, timeout=SIDE_TIMEOUT_S, **fields)
             return await asyncio.wrap_future(fut)
         except RuntimeReplyError as exc:
-            raise _ControllerFailed(str(exc), exc.is_user_error) from None
+            raise _ControllerFailed(str(exc), "validation" if exc.is_user_error
+                                    else "engine") from None
         except ChannelFull:
             raise _ControllerFailed("too many controller requests in flight; retry later",
-                                    False, overloaded=True) from None
+                                    "overloaded") from None
         except ChannelError as exc:
             # The channel's names stay in the log, not in the client's error.
             log.error("controller runtime unreachable (%s): %s", self.req_id, exc)
-            raise _ControllerFailed("controller runtime unreachable", False) from None
+            raise _ControllerFailed("controller runtime unreachable", "engine") from None
 
     async def _advance(self, tokens: list[int]) -> dict:
         state = await self._side("advance", req_id=self.req_id, tokens=tokens)
         if state.get("error"):
-            raise _ControllerFailed(f"controller failed: {state['error']}", True)
+            raise _ControllerFailed(f"controller failed: {state['error']}", "validation")
         return state
 
     async def stream(self) -> AsyncIterator[Event]:
@@ -128,8 +126,7 @@ class ControlledRun:
         except _ControllerFailed as exc:
             for event in self._flush():
                 yield event
-            kind = "overloaded" if exc.overloaded else "validation" if exc.user else "engine"
-            yield ErrorEvent(kind=kind, param="controller", message=str(exc))
+            yield ErrorEvent(kind=exc.kind, param="controller", message=str(exc))
         finally:
             try:  # no need to wait: a lost release is dropped by the runtime's idle TTL
                 self.side.request("release", timeout=SIDE_TIMEOUT_S, req_id=self.req_id)
@@ -150,7 +147,7 @@ class ControlledRun:
             pre = state.get("pre") or {}
             if pre.get("suspend") or pre.get("num_forks", 1) != 1:
                 raise _ControllerFailed("the controller forked or suspended, which the vllm "
-                                        "engine does not support yet", True)
+                                        "engine does not support yet", "validation")
             forced = list(pre.get("ff_tokens") or [])
             if forced:
                 room = self.max_tokens - len(self.out)
@@ -161,12 +158,11 @@ class ControlledRun:
                     continue  # the budget check above ends the run
                 state = await self._advance(forced)
                 continue
-            segment = Segment(prompt_tokens=len(self.prompt_ids) + len(self.out))
-            self.segments.append(segment)
+            segment = Segment()
             binding = {"seq": next(_seq_ids), "req_id": self.req_id}
             last: TokenEvent | None = None
-            async for event in self.run_segment(self.prompt_ids + self.out,
-                                                self.max_tokens - len(self.out), binding,
+            ids = self.prompt_ids + self.out
+            async for event in self.run_segment(ids, self.max_tokens - len(self.out), binding,
                                                 segment):
                 if isinstance(event, ErrorEvent):
                     for out in self._flush():
@@ -180,6 +176,9 @@ class ControlledRun:
                     continue
                 for out in self._hold(event):
                     yield out
+            # resubmissions rely on the prefix cache (full 16-token blocks only)
+            log.debug("%s: segment of %d prompt tokens, %d from the prefix cache", self.req_id,
+                      len(ids), segment.cached_tokens)
             if last is None:  # ended without a token (aborted)
                 for event in self._finish("abort"):
                     yield event

@@ -78,7 +78,6 @@ class _Model:
             if not ending:
                 self.k += 1
             last = ending or token == EOS or n == max_tokens - 1
-            seg.tokens.append(token)
             if last:
                 seg.finish = "stop" if token == EOS else "length"
             yield TokenEvent(token_id=token, text=_Tok().decode([token]), last=bool(last))
