@@ -163,11 +163,20 @@ def _engine_app(model: ModelConfig) -> serve.Application:
     return EngineDeployment.options(
         name=engine_deployment_name(model),
         max_ongoing_requests=model.ongoing_limit(),
-        max_queued_requests=model.queue_limit(),
+        # Serve counts a request as queued until a replica is picked for it, so a burst that
+        # arrives at once overflowed a bound of queue_limit() while the replicas' own slots
+        # were still free (CI saw 4 of 12 admitted requests run). Each ingress replica already
+        # refuses beyond pending_limit() itself; Serve's bound is the same figure, a backstop.
+        max_queued_requests=_serve_queue_bound(model),
         health_check_period_s=model.health_check_period_s,
         ray_actor_options=model.actor_options(),
         **model.replica_options(),
     ).bind(model)
+
+
+def _serve_queue_bound(model: ModelConfig) -> int:
+    limit = model.pending_limit()
+    return -1 if limit is None else limit
 
 
 def build_app(args: dict[str, Any] | GatewayConfig | None = None) -> serve.Application:

@@ -80,6 +80,10 @@ def test_the_cluster_serve_config_builds_with_its_replica_options():
     assert scaling.target_ongoing_requests == 8
     assert vllm._replica_config.ray_actor_options["resources"] == {"llm_gateway_cpu_engine": 0.01}
     assert pipeline._deployment_config.num_replicas == 2
+    # Serve's queue bound never refuses what an ingress replica admitted (its own bound).
+    for model in config.models:
+        bound = built[model.name]._deployment_config.max_queued_requests
+        assert bound == model.pending_limit() >= model.ongoing_limit() * model.max_replicas()
     assert pipeline._deployment_config.autoscaling_config is None
     # The gateway's entries are the engine apps' own (YAML merge keys), plus `app`.
     for model in config.models:
