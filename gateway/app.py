@@ -150,7 +150,12 @@ class GatewayIngress:
         self._config = config
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self._registry, self._config)
+        from gateway.tag_store import SharedTagStore
+
+        app = create_app(self._registry, self._config)
+        if "aici" in self._config.protocols:
+            app.state.aici_tags = SharedTagStore(serve.get_replica_context().app_name)
+        return app
 
 
 def engine_deployment_name(model: ModelConfig) -> str:

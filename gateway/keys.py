@@ -1,12 +1,13 @@
 """API keys: who may call, and how much (requests per second, tokens per minute, per key).
 
 :class:`KeyAuth` is the ASGI middleware that checks the key on every route but the probes
-(``Authorization: Bearer <key>``, any case of the scheme; websockets may give ``?api_key=``
-instead, because LMQL's LMTP client sends no headers), refuses a key over its request rate with
-429, and makes the caller's :class:`KeyState` the current one for the request. Token budgets are
-charged where the tokens are known: :class:`MeteredEngine` wraps each model's engine, refuses
-a generation while the key's token bucket is empty, and charges prompt plus completion tokens
-when it ends. Budgets are per ingress replica (N replicas admit up to N times the rate).
+(``Authorization: Bearer <key>``, any case of the scheme, or ``api-key: <key>``; websockets may
+give ``?api_key=`` instead, because LMQL's LMTP client sends no headers), refuses a key over
+its request rate with 429, and makes the caller's :class:`KeyState` the current one for the
+request. Token budgets are charged where the tokens are known: :class:`MeteredEngine` wraps
+each model's engine, refuses a generation while the key's token bucket is empty, and charges
+prompt plus completion tokens when it ends. Budgets are per ingress replica (N replicas admit
+up to N times the rate).
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ class KeyAuth:
         headers = dict(scope["headers"])
         scheme, _, credentials = headers.get(b"authorization", b"").strip().partition(b" ")
         presented = [credentials.strip()] if scheme.lower() == b"bearer" else []
+        if b"api-key" in headers:  # AICI's pyaici (and Azure OpenAI's clients) send this
+            presented.append(headers[b"api-key"].strip())
         if scope["type"] == "websocket":
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             presented += [k.encode() for k in query.get("api_key", [])]

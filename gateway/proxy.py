@@ -40,6 +40,8 @@ def _plain_error(message: dict) -> bool:
     if message["status"] < 400:
         return False
     headers = {k.lower(): v for k, v in message.get("headers") or []}
+    if b"x-gateway-shaped" in headers:  # a protocol's own plain-text error (AICI's APIError)
+        return False
     return headers.get(b"content-type", b"text/plain").startswith(b"text/plain")
 
 

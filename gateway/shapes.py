@@ -23,9 +23,9 @@ class ErrorShapes:
         # Under a Serve route prefix (/pipeline/v1/completions) the owner is found on a suffix.
         candidates = [path] + [path[i:] for i in range(1, len(path)) if path[i] == "/"]
         for candidate in candidates:
-            for spec in self.owners:
-                if spec.owns(candidate):
-                    return spec
+            best = max(self.owners, key=lambda spec: spec.match(candidate))
+            if best.match(candidate):
+                return best
         return self.owners[0]
 
     def response(self, path: str, status: int, message: str) -> Response:

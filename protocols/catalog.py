@@ -19,6 +19,7 @@ PROTOCOLS: dict[str, str] = {
     "mindie": "protocols.mindie.spec",
     "lmi": "protocols.lmi.spec",
     "tgi": "protocols.tgi.spec",
+    "aici": "protocols.aici.spec",
 }
 
 

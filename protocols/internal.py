@@ -36,6 +36,7 @@ __all__ = [
     "ChatMessage",
     "ChatPrompt",
     "ControllerSpec",
+    "ControllerTag",
     "ControllerSupport",
     "EngineClient",
     "EngineStats",
@@ -326,6 +327,14 @@ class Capabilities(_Frozen, kw_only=True):
     priority: bool = True
 
 
+class ControllerTag(_Frozen, kw_only=True):
+    """A controller an engine hosts: the tag requests name it by, and its module id (sha256
+    hex, as AICI's Wasm module ids; requests may name either)."""
+
+    tag: str
+    module_id: str
+
+
 class ModelInfo(_Frozen, kw_only=True):
     name: str
     root: str  # the underlying model path or id
@@ -335,6 +344,7 @@ class ModelInfo(_Frozen, kw_only=True):
     engine: str = "vllm"  # the engine kind serving it (ModelConfig.engine)
     dtype: str = "float32"  # what the engine computes in; numeric tolerances follow it
     capabilities: Capabilities = Capabilities()
+    controllers: tuple[ControllerTag, ...] = ()  # with capabilities.controllers != "none"
 
 
 class EngineStats(_Frozen, kw_only=True):

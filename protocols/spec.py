@@ -33,5 +33,13 @@ class ProtocolSpec:
     public_paths: frozenset[str] = frozenset()
 
     def owns(self, path: str) -> bool:
-        return self.route_error is not None and (path in self.paths
-                                                 or path.startswith(self.prefixes))
+        return self.match(path) > 0
+
+    def match(self, path: str) -> int:
+        """How specifically this protocol owns ``path`` (0: not at all): an exact path beats
+        any prefix, a longer prefix a shorter one (AICI's /v1/run inside OpenAI's /v1/)."""
+        if self.route_error is None:
+            return 0
+        if path in self.paths:
+            return 1 << 16
+        return max((len(p) for p in self.prefixes if path.startswith(p)), default=0)

@@ -9,7 +9,9 @@ real :class:`engines.host.EngineHost`, so admission, deadlines and accounting ar
 Controllers: with ``controllers="splice"``, a request whose controller is ``fake-splice`` gets
 the edits its JSON ``arg`` asks for: ``{"ff": "ab"}`` forces those characters first,
 ``{"backtrack": k}`` withdraws the last ``k`` reply tokens and then appends ``"!"``,
-``{"fork": m}`` forks choice 0 into ``m`` more choices (indices ``n``, ``n + 1``, ...) at the end.
+``{"fork": m}`` forks choice 0 into ``m`` more choices (indices ``n``, ``n + 1``, ...) at the end,
+``{"fail": "why"}`` fails to start (an instantiate error). It is hosted under that tag and under
+``FAKE_SPLICE_ID`` (its module id, as ``ModelInfo.controllers`` reports it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from protocols.internal import (
     Capabilities,
     ChatPrompt,
     ControllerSupport,
+    ControllerTag,
+    ErrorEvent,
     Event,
     FinalEvent,
     ForkEvent,
@@ -41,6 +45,7 @@ from protocols.internal import (
 )
 
 MAX_MODEL_LEN = 64
+FAKE_SPLICE_ID = "f" * 64
 VOCAB = 0x110000
 
 
@@ -57,7 +62,9 @@ class FakeModel:
     def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.name, root=f"/models/{self.name}", max_model_len=MAX_MODEL_LEN,
                          vocab_size=VOCAB, eos_token_id=0, engine="fake",
-                         capabilities=Capabilities(controllers=self.controllers))
+                         capabilities=Capabilities(controllers=self.controllers),
+                         controllers=() if self.controllers == "none" else (
+                             ControllerTag(tag="fake-splice", module_id=FAKE_SPLICE_ID),))
 
     async def check_health(self) -> None:
         return None
@@ -85,8 +92,13 @@ class FakeModel:
                                  for i, t in enumerate(ids)),
                 )
             script = {}
-            if request.controller is not None and request.controller.module == "fake-splice":
+            if request.controller is not None and \
+                    request.controller.module in ("fake-splice", FAKE_SPLICE_ID):
                 script = json.loads(request.controller.arg or "{}")
+                if "fail" in script:
+                    yield ErrorEvent(kind="validation", param="controller",
+                                     message=f"controller failed: {script['fail']}")
+                    return
             for index in range(request.sampling.n):
                 async for event in self._choice(request, index, len(ids), admitted.max_tokens,
                                                 script if index == 0 else {}):

@@ -26,6 +26,7 @@ from engines.vllm.controller_hook import AICI_ARG
 from engines.vllm.translate import Translator
 from protocols.internal import (
     Capabilities,
+    ControllerTag,
     ErrorEvent,
     Event,
     GenerateRequest,
@@ -74,7 +75,15 @@ class VLLMEngine:
                                       max_logprobs=max_logprobs,
                                       max_prompt_logprobs=max_logprobs,
                                       best_of_above_n=False, priority=self._priority),
+            controllers=self._controller_tags(),
         )
+
+    def _controller_tags(self) -> tuple[ControllerTag, ...]:
+        """The runtime's own tag list (it is the authority on what it hosts)."""
+        if self._side is None:
+            return ()
+        tags = self._side.request("get_tags", timeout=30).result(timeout=30)["tags"]
+        return tuple(ControllerTag(tag=t["tag"], module_id=t["module_id"]) for t in tags)
 
     def _start_controllers(self, options: Controllers, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The shm objects, the runtime beside this replica, and the hook in vLLM's args."""

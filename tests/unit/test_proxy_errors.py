@@ -105,6 +105,25 @@ async def test_the_proxys_own_endpoints_are_left_alone():
     assert (r.status_code, r.text) == (503, "This node is being drained.")
 
 
+async def test_aicis_plain_text_errors_pass_and_the_proxys_own_become_aicis_shape():
+    from protocols.aici.errors import route_error
+
+    async def aici_error(scope, receive, send):
+        await route_error(400, "uploading Wasm controllers is not supported")(scope, receive,
+                                                                              send)
+
+    async with _client(aici_error) as c:
+        r = await c.post("/v1/controllers", content=b"\0asm")
+    assert (r.status_code, r.text) == (400, "APIError: uploading Wasm controllers is not "
+                                            "supported")
+    async with _client(_plain(503, "Request 9d2c failed: GatewayIngress overloaded")) as c:
+        r = await c.post("/v1/run", json={})
+    assert r.status_code == 503 and r.text.startswith("APIError: ") and "9d2c" not in r.text
+    async with _client(_silent) as c:
+        r = await c.get("/v1/controllers/tags")
+    assert r.status_code == 503 and r.text.startswith("APIError: ") and "stopped" in r.text
+
+
 def test_serve_accepts_what_the_callback_returns():
     from ray.serve._private.http_util import validate_http_proxy_callback_return
 

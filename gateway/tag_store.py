@@ -1,0 +1,38 @@
+"""AICI's controller tags shared by all ingress replicas of one gateway application: a small
+detached Ray actor per application (tags outlive a replica's restart, as AICI's runtime keeps
+them on disk). ``protocols.aici.tags.TagStore`` is the interface; without Ray (unit tests, the
+protocol alone) the protocol keeps its own in-process store."""
+
+from __future__ import annotations
+
+import ray
+
+__all__ = ["SharedTagStore"]
+
+NAMESPACE = "llm-gateway"
+
+
+@ray.remote(num_cpus=0)
+class _Tags:
+    def __init__(self) -> None:
+        self._tags: dict[str, dict] = {}
+
+    def tags(self) -> dict[str, dict]:
+        return dict(self._tags)
+
+    def set(self, infos: list[dict]) -> None:
+        for info in infos:  # re-set tags move to the end: the order of setting is kept
+            self._tags.pop(info["tag"], None)
+            self._tags[info["tag"]] = info
+
+
+class SharedTagStore:
+    def __init__(self, app_name: str) -> None:
+        self._actor = _Tags.options(name=f"aici-tags-{app_name}", namespace=NAMESPACE,
+                                    lifetime="detached", get_if_exists=True).remote()
+
+    async def tags(self) -> dict[str, dict]:
+        return await self._actor.tags.remote()
+
+    async def set(self, infos: list[dict]) -> None:
+        await self._actor.set.remote(infos)

@@ -1,0 +1,89 @@
+"""Internal events → AICI's ``/v1/run`` server-sent events (shared/specs/aici.md §7).
+
+``run_objects`` is a pure transform (events in, JSON objects out); ``sse`` frames them. The
+shape is AICI's: ``initial-run`` first, then one ``run`` object per engine event with a
+``forks`` entry per choice it concerns (``text`` is a delta; a backtrack adds ``" ↩ "`` and
+retracts nothing), cumulative ``usage`` on every ``run`` (pyaici reads ``ff_tokens`` from the
+first one), and ``data: [DONE]`` last. pyaici.rest refuses any other line, so no comments or
+keep-alives are sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from protocols.internal import (
+    BacktrackEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    ForkEvent,
+    TokenEvent,
+)
+
+__all__ = ["BACKTRACK_MARK", "RunMeta", "finish_reason", "run_objects", "sse"]
+
+BACKTRACK_MARK = " ↩ "
+
+
+class RunMeta(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    model: str
+    created: int
+    prompt_tokens: int  # ff_tokens counts the prompt, as AICI's server does
+    controlled: bool  # an engine-side controller decides the end ("aici-stop")
+
+
+def finish_reason(final: FinalEvent, controlled: bool) -> str:
+    """AICI's names. With a controller, EOS is only an end when the controller said so."""
+    if final.finish_reason in ("eos", "stop_sequence"):
+        return "aici-stop" if controlled else "eos"
+    return {"length": "length", "abort": "abort"}.get(final.finish_reason, "fail")
+
+
+def _fork(index: int, text: str = "", error: str = "", finish: str | None = None) -> dict:
+    entry: dict[str, Any] = {"index": index}
+    if finish is not None:
+        entry["finish_reason"] = finish
+    entry.update(text=text, error=error, logs="", storage=[], micros=0)
+    return entry
+
+
+async def run_objects(events: AsyncIterator[Event], meta: RunMeta) -> AsyncIterator[dict]:
+    yield {"id": meta.id, "object": "initial-run", "created": meta.created, "model": meta.model}
+    sampled = forced = 0
+    running = {0}
+
+    def run(*forks: dict) -> dict:
+        ff = meta.prompt_tokens + forced
+        return {"object": "run", "forks": list(forks),
+                "usage": {"sampled_tokens": sampled, "ff_tokens": ff, "cost": 2 * sampled + ff}}
+
+    async for event in events:
+        if isinstance(event, TokenEvent):
+            if event.forced:
+                forced += 1
+            else:
+                sampled += 1
+            yield run(_fork(event.index, event.text))
+        elif isinstance(event, BacktrackEvent):
+            yield run(_fork(event.index, BACKTRACK_MARK))
+        elif isinstance(event, ForkEvent):
+            running.add(event.index)  # its text starts with its own next token, as AICI's
+        elif isinstance(event, FinalEvent):
+            running.discard(event.index)
+            yield run(_fork(event.index, event.text,
+                            finish=finish_reason(event, meta.controlled)))
+        elif isinstance(event, ErrorEvent):
+            yield run(*(_fork(i, error=event.message, finish="fail")
+                        for i in sorted(running or {0})))
+            return
+
+
+async def sse(objects: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async for obj in objects:
+        yield b"data: " + msgspec.json.encode(obj) + b"\n\n"
+    yield b"data: [DONE]\n\n"
