@@ -26,7 +26,7 @@ Refusals are events, never exceptions: a request the engine cannot serve yields 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -275,6 +275,10 @@ class FinalEvent(_Frozen, tag="final", kw_only=True):
     usage: Usage
     timings: Timings = Timings()
     text: str = ""  # trailing text flushed at the end (held-back bytes); usually empty
+    # What the choice's controller logged, and the variables it wrote (AICI's ``storage``
+    # entries, ``{"WriteVar": {"name", "value": <hex>, "op", "when_version_is"}}``).
+    logs: str = ""
+    storage: tuple[dict[str, Any], ...] = ()
 
 
 class ErrorEvent(_Frozen, tag="error", kw_only=True):

@@ -65,3 +65,15 @@ class Scripted(Controller):
         twin = super().fork(ctx)
         twin.forked = True
         return twin
+
+
+class Backtracking(Scripted):
+    """``after=k back=n ff=a,b``: once ``k`` tokens are in, withdraw the last ``n`` and force
+    ``a, b`` (a splice, then sampling goes on)."""
+
+    def pre_process(self):
+        if len(self.seen) == int(self.opts["after"]) and not getattr(self, "spliced", False):
+            self.spliced = True
+            ff = [int(t) for t in self.opts.get("ff", "").split(",") if t]
+            return PreResult(backtrack=int(self.opts["back"]), ff_tokens=ff)
+        return PreResult()

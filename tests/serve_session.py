@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from engines.config import ModelConfig
+from engines.config import Controllers, ModelConfig
 from engines.embedded import EMBEDDED_MODEL_NAME
 from gateway import serve_env
 from gateway.config import GatewayConfig
@@ -59,7 +59,10 @@ def gateway_url():
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = GatewayConfig(models=[ModelConfig(name=MODEL)], aliases={"ensemble": MODEL},
+        # The operator's example controller, as serve_config.yaml registers it.
+        controllers = Controllers(custom={"redact": "engines.controllers.examples:Redact"})
+        config = GatewayConfig(models=[ModelConfig(name=MODEL, controllers=controllers)],
+                               aliases={"ensemble": MODEL},
                                max_request_bytes=MAX_REQUEST_BYTES)
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"

@@ -3,7 +3,10 @@
 The runtime (``engines/controllers/runtime.py``) calls, per engine step and per sequence:
 
 - ``pre_process()`` before scheduling: suspend this step, fork into N, stop (``num_forks=0``),
-  or force tokens (``ff_tokens``, appended without sampling);
+  or force tokens (``ff_tokens``, appended without sampling), after withdrawing the last
+  ``backtrack`` tokens of the output (beyond the seed's pre result: AICI's v1 put a backtrack
+  in ``mid_process``'s Splice, v2 in a branch's splice; here every edit of the sequence is
+  decided in one place, before the step);
 - ``mid_process()`` while the engine computes logits: which tokens may be sampled (``None`` =
   any), returned rather than written so a call that overruns its time bound cannot touch the
   next step's rows;
@@ -50,10 +53,14 @@ class PreResult:
     suspend: bool = False
     num_forks: int = 1
     ff_tokens: list[int] = field(default_factory=list)
+    backtrack: int = 0  # output tokens withdrawn before ff_tokens are appended
 
     def to_json(self) -> dict:
-        return {"suspend": self.suspend, "num_forks": self.num_forks,
-                "ff_tokens": list(self.ff_tokens)}
+        result = {"suspend": self.suspend, "num_forks": self.num_forks,
+                  "ff_tokens": list(self.ff_tokens)}
+        if self.backtrack:  # the seed's shape otherwise
+            result["backtrack"] = self.backtrack
+        return result
 
 
 class Variables:
@@ -71,16 +78,22 @@ class Variables:
 
 class ControllerContext:
     """Per sequence: the tokenizer, the request's variables, and what the current call logged
-    and stored (drained into that call's ``SequenceResult``)."""
+    and stored (drained into that call's ``SequenceResult``). The same entries also go to a
+    journal the frontend reads between segments (:meth:`journal`): the engine's hook, which
+    receives the per-step results, has no client to give them to."""
 
     def __init__(self, tokenizer: TokenizerInfo, variables: Variables) -> None:
         self.tokenizer = tokenizer
         self.variables = variables
         self._logs: list[str] = []
         self._storage: list[dict] = []
+        self._journal_logs: list[str] = []
+        self._journal_storage: list[dict] = []
 
     def log(self, text: str) -> None:
-        self._logs.append(text if text.endswith("\n") else text + "\n")
+        line = text if text.endswith("\n") else text + "\n"
+        self._logs.append(line)
+        self._journal_logs.append(line)
 
     def get_var(self, name: str) -> bytes | None:
         return self.variables.get(name)
@@ -88,14 +101,21 @@ class ControllerContext:
     def set_var(self, name: str, value: bytes | str, append: bool = False) -> None:
         raw = value.encode() if isinstance(value, str) else bytes(value)
         self.variables.write(name, raw, append)
-        self._storage.append({"WriteVar": {"name": name, "value": raw.hex(),
-                                           "op": "Append" if append else "Set",
-                                           "when_version_is": None}})
+        entry = {"WriteVar": {"name": name, "value": raw.hex(),
+                              "op": "Append" if append else "Set", "when_version_is": None}}
+        self._storage.append(entry)
+        self._journal_storage.append(entry)
 
     def drain(self) -> tuple[str, list[dict]]:
         logs, storage = "".join(self._logs), self._storage
         self._logs, self._storage = [], []
         return logs, storage
+
+    def journal(self) -> tuple[str, list[dict]]:
+        """Everything logged and stored since the last call, whichever call produced it."""
+        logs, self._journal_logs = self._journal_logs, []
+        storage, self._journal_storage = self._journal_storage, []
+        return "".join(logs), storage
 
     def forked(self) -> ControllerContext:
         """The context of a fork: same tokenizer and variables, its own logs."""

@@ -208,7 +208,10 @@ class ControllerRuntime:
             seq.need_pre = False
             result = None
             if not error:
-                if value.num_forks > 1 and len(seq.forks) - 1 + value.num_forks > \
+                if not isinstance(value.backtrack, int) or value.backtrack < 0:
+                    error = f"backtrack must be a count of tokens >= 0, got {value.backtrack!r}"
+                    seq.failed = error
+                elif value.num_forks > 1 and len(seq.forks) - 1 + value.num_forks > \
                         self.limits.max_forks:
                     error = (f"{len(seq.forks) - 1 + value.num_forks} forks exceed the limit of "
                              f"{self.limits.max_forks} per request")
@@ -367,7 +370,8 @@ class ControllerRuntime:
     def _advance(self, request: dict) -> dict:
         """Between segments: ``post_process(tokens, backtrack)`` when given, then the
         ``pre_process`` owed. Answers the sequence's state: ``stop``, ``error`` and the pending
-        ``pre`` result (``suspend`` / ``num_forks`` / ``ff_tokens``; None once stopped)."""
+        ``pre`` result (``suspend`` / ``num_forks`` / ``ff_tokens``; None once stopped), plus
+        the ``logs`` and ``storage`` of every call since the previous ``advance``."""
         seq = self._controller(request)
         if isinstance(seq, dict):
             return seq
@@ -386,7 +390,8 @@ class ControllerRuntime:
             error = self._run_pre({0: (seq, seq.controller.pre_process)})[0][1]
         state = {"stop": seq.stopped, "error": error or seq.failed,
                  "pre": None if seq.stopped or error else seq.last_pre}
-        logs, storage = seq.ctx.drain()
+        seq.ctx.drain()  # this call's entries are in the journal too
+        logs, storage = seq.ctx.journal()  # since the last advance: the segment's steps too
         return ok_reply({**state, "logs": logs, "storage": storage})
 
     def _release(self, request: dict) -> dict:

@@ -3,9 +3,11 @@
 vLLM cannot append tokens it did not sample, so a controlled request runs as *segments*, each
 one vLLM request (``docs/controllers.md``). The hook inside vLLM (``controller_hook``) masks
 every step and ends a segment, by allowing only its stop token (EOS), when the controller stops,
-fails or asks for fast-forward. Between segments this driver asks the runtime (side channel,
-``advance``) what the controller wants, appends forced tokens as ``TokenEvent(forced=True)``,
-and resubmits ``prompt + output so far``; vLLM's prefix cache keeps that prefill cheap.
+fails or asks for fast-forward or backtrack. Between segments this driver asks the runtime (side
+channel, ``advance``) what the controller wants, withdraws tokens (``BacktrackEvent``), appends
+forced tokens as ``TokenEvent(forced=True)``, and resubmits ``prompt + output so far``; vLLM's
+prefix cache keeps that prefill cheap, and the continuation is what one pass over that prefix
+gives.
 
 The segment's last token is never reported to the controller by the hook (vLLM finishes the
 request at that step). It is either the stop token the hook forced (dropped: the controller
@@ -13,8 +15,9 @@ ended the segment) or a token the model sampled (reported here with ``advance``)
 is an ordinary token to a controller, as in AICI, where only the controller or the token budget
 ends generation.
 
-Not yet: backtrack, fork and suspend (the request ends with an error saying so), and logs /
-storage from steps inside the engine (only ``advance``'s reach the driver).
+What the controller logged and stored, in the engine's steps too, reaches the driver with each
+``advance`` and goes out on the ``FinalEvent``. Not yet: fork and suspend (the request ends with
+an error saying so).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import msgspec
 
 from engines.controllers.shm import ChannelError, ChannelFull, RuntimeReplyError, SideClient
 from protocols.internal import (
+    BacktrackEvent,
     ErrorEvent,
     ErrorKind,
     Event,
@@ -48,6 +52,7 @@ __all__ = ["ControlledRun", "Segment", "refusal"]
 
 log = logging.getLogger(__name__)
 SIDE_TIMEOUT_S = 10.0
+RUNAWAY_FACTOR = 4
 _seq_ids = itertools.count(1)
 
 
@@ -84,7 +89,12 @@ class ControlledRun:
         self.run_segment = run_segment
         self.req_id = f"{request.request_id}-{os.urandom(4).hex()}"
         self.out: list[int] = []
+        self.texts: list[str] = []  # the text each output token's event added
         self.forced = 0
+        self.sampled = 0  # withdrawn ones included
+        self.spliced = False
+        self.logs: list[str] = []
+        self.storage: list[dict] = []
         self.carry = ""  # text of a dropped stop token's delta, for the next event
         self.pending: TokenEvent | None = None  # emitted once the next one is known
         self.started = time.monotonic()
@@ -105,8 +115,11 @@ class ControlledRun:
             log.error("controller runtime unreachable (%s): %s", self.req_id, exc)
             raise _ControllerFailed("controller runtime unreachable", "engine") from None
 
-    async def _advance(self, tokens: list[int]) -> dict:
-        state = await self._side("advance", req_id=self.req_id, tokens=tokens)
+    async def _advance(self, tokens: list[int], backtrack: int = 0) -> dict:
+        state = await self._side("advance", req_id=self.req_id, tokens=tokens,
+                                 backtrack=backtrack)
+        self.logs.append(state.get("logs") or "")
+        self.storage += state.get("storage") or []
         if state.get("error"):
             raise _ControllerFailed(f"controller failed: {state['error']}", "validation")
         return state
@@ -136,7 +149,10 @@ class ControlledRun:
     async def _segments(self) -> AsyncIterator[Event]:
         state = await self._advance([])  # the first pre_process: forced text costs no prefill
         while True:
-            if len(self.out) >= self.max_tokens:
+            # Withdrawn tokens make room again; a controller that keeps withdrawing what it
+            # made still ends, at 4x the budget in tokens appended.
+            if len(self.out) >= self.max_tokens or \
+                    self.sampled + self.forced >= RUNAWAY_FACTOR * self.max_tokens:
                 for event in self._finish("length"):
                     yield event
                 return
@@ -149,6 +165,10 @@ class ControlledRun:
                 raise _ControllerFailed("the controller forked or suspended, which the vllm "
                                         "engine does not support yet", "validation")
             forced = list(pre.get("ff_tokens") or [])
+            backtrack = int(pre.get("backtrack") or 0)
+            if backtrack:
+                for event in self._backtrack(backtrack):
+                    yield event
             if forced:
                 room = self.max_tokens - len(self.out)
                 for token_event in self._forced(forced[:room]):
@@ -156,7 +176,8 @@ class ControlledRun:
                         yield event
                 if len(forced) >= room:
                     continue  # the budget check above ends the run
-                state = await self._advance(forced)
+            if forced or backtrack:
+                state = await self._advance(forced, backtrack)
                 continue
             segment = Segment()
             binding = {"seq": next(_seq_ids), "req_id": self.req_id}
@@ -210,11 +231,13 @@ class ControlledRun:
         """Append ``event``'s token to the output and keep it back until the next one (or the
         end) says whether it is the run's last: encoders put the finish on that token."""
         self.out.append(event.token_id)
+        self.sampled += not event.forced
         if self.first_token is None:
             self.first_token = time.monotonic()
         if self.carry:
             event = msgspec.structs.replace(event, text=self.carry + event.text)
             self.carry = ""
+        self.texts.append(event.text)
         out = self._flush()
         self.pending = event
         return out
@@ -228,6 +251,20 @@ class ControlledRun:
     def _finish(self, reason: FinishReason,
                 stop_reason: str | int | None = None) -> list[Event]:
         return [*self._flush(last=True), self._final(reason, stop_reason)]
+
+    def _backtrack(self, count: int) -> list[Event]:
+        """Withdraw the output's last ``count`` tokens (the held one goes out first: consumers
+        see every token they are told to withdraw)."""
+        if count > len(self.out):
+            raise _ControllerFailed(f"the controller withdrew {count} tokens, but only "
+                                    f"{len(self.out)} were generated", "validation")
+        events: list[Event] = [*self._flush()]
+        text = "".join(self.texts[-count:])
+        del self.out[-count:], self.texts[-count:]
+        self.carry = ""  # text held back from the withdrawn tokens
+        self.spliced = True
+        events.append(BacktrackEvent(count=count, text=text))
+        return events
 
     def _forced(self, tokens: list[int]) -> list[TokenEvent]:
         """Their text by incremental detokenization from the output's tail (as vLLM's and
@@ -256,9 +293,11 @@ class ControlledRun:
         now = time.monotonic()
         first = self.first_token or now
         return FinalEvent(finish_reason=reason, stop_reason=stop_reason, text=self.carry,
+                          logs="".join(self.logs), storage=tuple(self.storage),
                           usage=Usage(prompt_tokens=len(self.prompt_ids),
                                       completion_tokens=len(self.out),
-                                      forced_tokens=self.forced),
+                                      forced_tokens=self.forced,
+                                      sampled_tokens=self.sampled if self.spliced else None),
                           timings=Timings(ttft_s=first - self.started, decode_s=now - first))
 
 
@@ -282,7 +321,8 @@ def _acts(pre: dict | None) -> bool:
     """Whether a pending pre result asks for something that ended the segment."""
     if not pre:
         return False
-    return bool(pre.get("ff_tokens") or pre.get("suspend") or pre.get("num_forks", 1) != 1)
+    return bool(pre.get("ff_tokens") or pre.get("backtrack") or pre.get("suspend")
+                or pre.get("num_forks", 1) != 1)
 
 
 def _without(text: str, suffix: str) -> str:

@@ -160,7 +160,7 @@ class ControllerLogitsProcessor(LogitsProcessor):
             if ahead is not None:
                 result = ahead.get("result") or {}
                 if ahead.get("error") or result.get("suspend") or result.get("ff_tokens") or \
-                        result.get("num_forks", 1) != 1:
+                        result.get("backtrack") or result.get("num_forks", 1) != 1:
                     ending.add(index)
             if row.ending:
                 ending.add(index)

@@ -44,11 +44,12 @@ def finish_reason(final: FinalEvent, controlled: bool) -> str:
     return {"length": "length", "abort": "abort"}.get(final.finish_reason, "fail")
 
 
-def _fork(index: int, text: str = "", error: str = "", finish: str | None = None) -> dict:
+def _fork(index: int, text: str = "", error: str = "", finish: str | None = None,
+          logs: str = "", storage: list | None = None) -> dict:
     entry: dict[str, Any] = {"index": index}
     if finish is not None:
         entry["finish_reason"] = finish
-    entry.update(text=text, error=error, logs="", storage=[], micros=0)
+    entry.update(text=text, error=error, logs=logs, storage=storage or [], micros=0)
     return entry
 
 
@@ -75,8 +76,10 @@ async def run_objects(events: AsyncIterator[Event], meta: RunMeta) -> AsyncItera
             running.add(event.index)  # its text starts with its own next token, as AICI's
         elif isinstance(event, FinalEvent):
             running.discard(event.index)
-            yield run(_fork(event.index, event.text,
-                            finish=finish_reason(event, meta.controlled)))
+            # The controller's logs and variables come with the end (the engine collects
+            # them from its steps between segments).
+            yield run(_fork(event.index, event.text, finish=finish_reason(event, meta.controlled),
+                            logs=event.logs, storage=list(event.storage)))
         elif isinstance(event, ErrorEvent):
             yield run(*(_fork(i, error=event.message, finish="fail")
                         for i in sorted(running or {0})))

@@ -195,3 +195,93 @@ async def test_lmtp_generate_with_a_controller_streams_forced_and_masked_tokens(
     detok = httpx.post(f"{gateway_url}/detokenize",
                        json={"tokens": [i["token"] for i in items]}).json()["prompt"]
     assert re.fullmatch(REGEX, detok), (detok, items)
+
+
+# --- backtrack + fast-forward: the operator's example controller (engines/controllers/examples)
+
+REDACT_PROMPT = "The capital of France is"
+REDACT = {"words": ["Paris"], "replacement": "[redacted]"}
+
+
+async def test_a_backtrack_resubmits_and_the_continuation_equals_one_pass_over_that_prefix(
+        engine_handle):
+    """The engine's own events (no protocol): the controller withdraws the tokens that spell
+    the word and forces the replacement; what follows must be what vLLM alone generates,
+    greedily, from prompt + kept + forced tokens in one pass (vLLM's own API, no controller)."""
+    from gateway.engine_client import ServeEngineClient
+    from protocols.internal import (
+        BacktrackEvent,
+        ControllerSpec,
+        FinalEvent,
+        GenerateRequest,
+        OutputOptions,
+        Sampling,
+        TextPrompt,
+        TokenEvent,
+    )
+
+    client = ServeEngineClient(engine_handle, MODEL, monitor_interval_s=None)
+    request = GenerateRequest(
+        request_id="redact-e2e", model=MODEL, prompt=TextPrompt(text=REDACT_PROMPT),
+        sampling=Sampling(temperature=0, max_tokens=16), output=OutputOptions(splices="full"),
+        controller=ControllerSpec(module="redact", arg=json.dumps(REDACT)))
+    ids: list[int] = []
+    texts: list[str] = []
+    last_forced = 0
+    backtracks = []
+    final = None
+    async for event in client.generate(request):
+        if isinstance(event, TokenEvent):
+            ids.append(event.token_id)
+            texts.append(event.text)
+            if event.forced:
+                last_forced = len(ids)
+        elif isinstance(event, BacktrackEvent):
+            backtracks.append(event)
+            assert "".join(texts[-event.count:]) == event.text
+            del ids[-event.count:], texts[-event.count:]
+        elif isinstance(event, FinalEvent):
+            final = event
+        else:
+            raise AssertionError(event)
+    assert backtracks and all("Paris" in b.text for b in backtracks), backtracks
+    text = "".join(texts)
+    assert "Paris" not in text and "[redacted]" in text, text
+    assert final is not None and final.finish_reason == "length" and len(ids) == 16
+    assert final.usage.completion_tokens == 16 and final.usage.forced_tokens >= 1
+    assert final.usage.sampled_tokens == 16 - final.usage.forced_tokens + sum(
+        b.count for b in backtracks)
+    prompt_ids = (await engine_handle.reference_greedy.remote(REDACT_PROMPT, 1)).prompt_token_ids
+    rest = ids[last_forced:]
+    assert rest, "nothing generated after the forced tokens"
+    reference = await engine_handle.reference_greedy.remote(prompt_ids + ids[:last_forced],
+                                                            len(rest))
+    assert rest == reference.token_ids, (text, reference.text)
+
+
+def test_backtracks_in_each_protocol(openai_client, gateway_url):
+    import httpx
+
+    extra = {"controller": "redact", "controller_arg": REDACT}
+    # A whole OpenAI response applies the backtrack: the word is gone.
+    whole = openai_client.completions.create(model=MODEL, prompt=REDACT_PROMPT, max_tokens=12,
+                                             temperature=0, extra_body=extra)
+    text = whole.choices[0].text
+    assert "[redacted]" in text and "Paris" not in text, text
+    # An OpenAI stream cannot take text back: it ends with an error saying so.
+    with pytest.raises(openai.APIError, match="withdrew tokens"):
+        for _ in openai_client.completions.create(model=MODEL, prompt=REDACT_PROMPT,
+                                                  max_tokens=12, temperature=0, stream=True,
+                                                  extra_body=extra):
+            pass
+    # AICI's stream shows it as AICI does: " ↩ " and nothing retracted (with a prompt, which
+    # AICI's REST API takes though pyaici's run_controller sends none).
+    r = httpx.post(f"{gateway_url}/v1/run", timeout=120, json={
+        "controller": "redact", "controller_arg": REDACT, "prompt": REDACT_PROMPT,
+        "max_tokens": 12})
+    lines = [line for line in r.text.split("\n") if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    forks = [f for line in lines[1:-1] for f in json.loads(line[6:])["forks"]]
+    text = "".join(f["text"] for f in forks)
+    assert "Paris ↩  [redacted]" in text and not any(f["error"] for f in forks), text
+    assert forks[-1]["finish_reason"] == "length"

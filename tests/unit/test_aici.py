@@ -263,3 +263,15 @@ async def test_the_api_key_may_come_as_pyaicis_api_key_header(controlled):
         assert (await c.get("/v1/controllers/tags", headers={"api-key": "no"})).status_code == 401
         r = await c.get("/v1/controllers/tags", headers={"api-key": "k"})
         assert r.status_code == 200
+
+
+async def test_the_controllers_logs_and_variables_come_with_the_end():
+    write = {"WriteVar": {"name": "x", "value": b"42".hex(), "op": "Set",
+                          "when_version_is": None}}
+    objects = await _objects([
+        TokenEvent(token_id=1, text="a", last=True),
+        FinalEvent(finish_reason="eos", usage=USAGE, logs="FIXED 'a'\n", storage=(write,)),
+    ])
+    end = objects[-1]["forks"][0]
+    assert end["logs"] == "FIXED 'a'\n" and end["storage"] == [write]
+    assert objects[1]["forks"][0]["logs"] == "" and objects[1]["forks"][0]["storage"] == []

@@ -6,14 +6,17 @@ controller stops or asks for fast-forward, as the hook makes vLLM do."""
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import Future
 
 import pytest
 
+from engines.controllers.base import PreResult
 from engines.controllers.runtime import ControllerRuntime, Limits
 from engines.controllers.shm import ChannelFull, ChannelTimeout, RuntimeReplyError
 from engines.vllm.controlled import ControlledRun, Segment
 from protocols.internal import (
+    BacktrackEvent,
     ControllerSpec,
     ErrorEvent,
     FinalEvent,
@@ -23,7 +26,7 @@ from protocols.internal import (
     TextPrompt,
     TokenEvent,
 )
-from tests.controllers import FakeTokenizer, Scripted
+from tests.controllers import Backtracking, FakeTokenizer, Scripted
 
 EOS = 0
 
@@ -55,10 +58,11 @@ class _Tok:
 
 
 class _Model:
-    """The model samples ``script`` in order (cycling); EOS in it is a sampled EOS."""
+    """The model samples ``script`` in order (cycling); EOS in it is a sampled EOS. Ends the
+    segment where the hook would: the controller stopped or failed, or wants an edit."""
 
-    def __init__(self, rt, script):
-        self.rt, self.script, self.k = rt, script, 0
+    def __init__(self, rt, script, tok=None):
+        self.rt, self.script, self.k, self.tok = rt, script, 0, tok or _Tok()
         self.prompts: list[list[int]] = []
 
     async def segment(self, ids, max_tokens, binding, seg: Segment):
@@ -72,22 +76,24 @@ class _Model:
             pre_ops = []
             done = data["post_seqs"].get(str(seq)) or {}
             ahead = (data["pre_seqs"].get(str(seq)) or {})
+            wants = ahead.get("result") or {}
             ending = done.get("error") or (done.get("result") or {}).get("stop") or \
-                ahead.get("error") or (ahead.get("result") or {}).get("ff_tokens")
+                ahead.get("error") or wants.get("ff_tokens") or wants.get("backtrack")
             token = EOS if ending else self.script[self.k % len(self.script)]
             if not ending:
                 self.k += 1
             last = ending or token == EOS or n == max_tokens - 1
             if last:
                 seg.finish = "stop" if token == EOS else "length"
-            yield TokenEvent(token_id=token, text=_Tok().decode([token]), last=bool(last))
+            yield TokenEvent(token_id=token, text=self.tok.decode([token]), last=bool(last))
             if last:
                 return
             post = [{"id": seq, "tokens": [token], "backtrack": 0}]
 
 
 def _run(arg, script, max_tokens=8, module="scripted", **request):
-    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted, "boom": _FailsOnSecondToken},
+    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted, "boom": _FailsOnSecondToken,
+                                             "backtrack": Backtracking},
                            None, Limits(step_s=1.0))
     side, model = _Side(rt), _Model(rt, script)
     req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
@@ -231,3 +237,102 @@ def test_a_full_or_dead_side_channel_is_overload_or_an_engine_error_without_its_
     events = asyncio.run(collect())
     assert len(events) == 1 and events[0].kind == kind and message in events[0].message
     assert "/" not in events[0].message  # no shm names
+
+
+def test_a_backtrack_withdraws_tokens_then_forced_ones_follow_and_sampling_resumes():
+    # after 3 sampled tokens (5, 6, 7) the controller withdraws 2 and forces 9
+    events, model, _, run = _run("after=3 back=2 ff=9", [5, 6, 7, 8], max_tokens=6,
+                                 module="backtrack")
+    kinds = [(type(e).__name__, getattr(e, "token_id", getattr(e, "count", None)))
+             for e in events]
+    assert kinds == [("TokenEvent", 5), ("TokenEvent", 6), ("TokenEvent", 7),
+                     ("BacktrackEvent", 2), ("TokenEvent", 9), ("TokenEvent", 8),
+                     ("TokenEvent", 5), ("TokenEvent", 6), ("TokenEvent", 7),
+                     ("FinalEvent", None)]
+    backtrack = next(e for e in events if isinstance(e, BacktrackEvent))
+    assert backtrack.text == "fg"  # what the withdrawn tokens' events had added
+    # the resubmission is the prompt, the kept tokens and the forced one: no withdrawn token
+    assert model.prompts[1] == [9, 9, 5, 9]
+    # max_tokens bounds the output as returned: withdrawn tokens make room again
+    assert run.out == [5, 9, 8, 5, 6, 7]
+    final = events[-1]
+    assert final.finish_reason == "length"
+    assert (final.usage.completion_tokens, final.usage.forced_tokens,
+            final.usage.sampled_tokens) == (6, 1, 7)
+    assert [e.last for e in events if isinstance(e, TokenEvent)] == [False] * 7 + [True]
+
+
+def test_a_backtrack_past_the_output_fails_the_run_in_shape():
+    events, *_ = _run("after=1 back=4", [5, 6], module="backtrack")
+    assert isinstance(events[-1], ErrorEvent) and events[-1].param == "controller"
+    assert "withdrew 4 tokens, but only 1" in events[-1].message
+
+
+def test_a_controller_that_keeps_withdrawing_still_ends_at_four_times_the_budget():
+    class Undo(Scripted):  # withdraws every token it gets and forces 9 instead
+        def pre_process(self):
+            return PreResult(backtrack=1, ff_tokens=[9]) if self.seen else PreResult()
+
+    rt = ControllerRuntime(FakeTokenizer(), {"undo": Undo}, None, Limits(step_s=1.0))
+    side, model = _Side(rt), _Model(rt, [5])
+    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
+                          sampling=Sampling(max_tokens=3),
+                          controller=ControllerSpec(module="undo", arg=""))
+    run = ControlledRun(req, [9], 3, side, _Tok(), EOS, model.segment)
+
+    async def collect():
+        return [e async for e in run.stream()]
+    events = asyncio.run(collect())
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.finish_reason == "length"
+    assert run.sampled + run.forced == 12 and len(run.out) < 3
+
+
+class _Bytes:
+    """Byte-level tokens (id = byte + 1; 0 = EOS): text and ids map one to one."""
+
+    vocab_size, eos_token_id = 257, 0
+
+    def encode(self, text):
+        return [b + 1 for b in text.encode()]
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return bytes(t - 1 for t in tokens if t).decode(errors="replace")
+
+
+def test_the_redact_example_withdraws_a_word_and_forces_its_replacement():
+    from engines.controllers.examples import Redact
+
+    tok = _Bytes()
+
+    class Info(_Bytes):
+        def decode(self, tokens):
+            return bytes(t - 1 for t in tokens if t)
+
+    rt = ControllerRuntime(Info(), {"redact": Redact}, None, Limits(step_s=1.0))
+    side, model = _Side(rt), _Model(rt, tok.encode(" Paris is big"), tok)
+    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
+                          sampling=Sampling(max_tokens=20),
+                          controller=ControllerSpec(module="redact", arg=json.dumps(
+                              {"words": ["Paris"], "replacement": "[X]"})))
+    run = ControlledRun(req, [1], 20, side, tok, EOS, model.segment)
+
+    async def collect():
+        return [e async for e in run.stream()]
+    events = asyncio.run(collect())
+    backtracks = [e for e in events if isinstance(e, BacktrackEvent)]
+    assert [(b.count, b.text) for b in backtracks] == [(5, "Paris")] * 2
+    assert tok.decode(run.out) == " [X] is big [X] is b"  # 20 tokens; the model cycles
+    assert "Paris" not in tok.decode(run.out)
+
+
+def test_logs_and_variables_from_the_engines_steps_reach_the_final_event():
+    # post_process runs inside the engine's steps (the stand-in's post_pre_process) for the
+    # sampled tokens, and once through advance for the last one: all of it is on the final
+    events, *_ = _run("var=v stop-after=3", [5, 6, 7])
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.finish_reason == "eos"
+    assert final.logs == "wrote [5]\nwrote [6]\nwrote [7]\n"
+    writes = [entry["WriteVar"] for entry in final.storage]
+    assert [(w["name"], bytes.fromhex(w["value"]), w["op"]) for w in writes] == [
+        ("v", bytes([5]), "Append"), ("v", bytes([6]), "Append"), ("v", bytes([7]), "Append")]

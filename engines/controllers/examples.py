@@ -1,0 +1,62 @@
+"""An operator's controller, as the Serve config registers one (``controllers.custom``):
+
+    models:
+      - name: smollm2-135m-instruct
+        controllers:
+          custom: {redact: "engines.controllers.examples:Redact"}
+
+Requests then name it like a built-in: ``"controller": "redact"``, ``"controller_arg":
+{"words": ["Paris"], "replacement": "[redacted]"}`` (OpenAI extra body, AICI's ``/v1/run``,
+TGI / LMI / MindIE ``parameters``, LMTP). Controllers are trusted code: they run in the
+replica's controller runtime with its permissions.
+"""
+
+from __future__ import annotations
+
+import json
+
+from engines.controllers.base import Controller, ControllerContext, ControllerError, PreResult
+
+__all__ = ["Redact"]
+
+
+class Redact(Controller):
+    """Whenever the output ends with one of ``words``, withdraw the tokens that spell it
+    (backtrack) and force ``replacement`` in their place (fast-forward); generation then goes
+    on after the replacement as if the model had written it."""
+
+    def __init__(self, ctx: ControllerContext, arg: str, prompt: list[int]) -> None:
+        super().__init__(ctx, arg, prompt)
+        try:
+            spec = json.loads(arg)
+        except json.JSONDecodeError as exc:
+            raise ControllerError(f"redact: controller_arg is not JSON: {exc}") from None
+        words = spec.get("words") if isinstance(spec, dict) else None
+        if not isinstance(words, list) or not words or \
+                not all(isinstance(w, str) and w for w in words):
+            raise ControllerError('redact: controller_arg is {"words": [non-empty strings], '
+                                  '"replacement": str}')
+        self.words = [w.encode() for w in words]
+        self.replacement = str(spec.get("replacement", "[redacted]"))
+        self.out: list[int] = []
+
+    def post_process(self, tokens: list[int], backtrack: int) -> bool:
+        if backtrack:
+            del self.out[-backtrack:]
+        self.out += tokens
+        return False
+
+    def pre_process(self) -> PreResult:
+        text = self.ctx.tokenizer.decode(self.out)
+        word = next((w for w in self.words if text.endswith(w)), None)
+        if word is None:
+            return PreResult()
+        # The fewest trailing tokens whose bytes cover the word; what they hold before the
+        # word is forced back unchanged (a token may start with a space or end a word before).
+        count = next(n for n in range(1, len(self.out) + 1)
+                     if len(self.ctx.tokenizer.decode(self.out[-n:])) >= len(word))
+        withdrawn = self.ctx.tokenizer.decode(self.out[-count:])
+        keep = withdrawn[:len(withdrawn) - len(word)].decode("utf-8", errors="replace")
+        self.ctx.log(f"redact: {word.decode(errors='replace')!r} withdrawn ({count} tokens)")
+        return PreResult(backtrack=count,
+                         ff_tokens=self.ctx.tokenizer.encode(keep + self.replacement))
