@@ -4,7 +4,8 @@ its SSE parsing are the contract ``/v1/run`` must meet.
 
 What it does, as pyaici.rest does: the base URL (default ``$AICI_API_BASE``) may carry the key as
 a ``#key=...`` fragment, sent as an ``api-key`` header; ``run`` POSTs ``{controller,
-controller_arg, max_tokens, temperature}`` with the ``None`` fields removed; every non-empty
+controller_arg, max_tokens, temperature}`` with ``None`` fields removed at every depth
+(programs built as pyaici.ast builds them carry many); every non-empty
 response line must be ``data: {...}`` or ``data: [DONE]`` (anything else raises); each object's
 ``usage`` is kept; the first object with ``forks`` must carry ``usage.ff_tokens``; per fork
 ``index`` the ``text`` and ``logs`` deltas are appended and ``storage`` ``WriteVar`` entries
@@ -74,7 +75,7 @@ class AiciClient:
             temperature: float | None = None, max_tokens: int | None = 200) -> dict:
         body = {"controller": controller, "controller_arg": controller_arg,
                 "max_tokens": max_tokens, "temperature": temperature}
-        body = {k: v for k, v in body.items() if v is not None}
+        body = _without_none(body)
         started = time.time()
         resp = self._request("post", "run", json=body, stream=True)
         if resp.status_code != 200:
@@ -119,3 +120,11 @@ class AiciClient:
         result["storage"] = {name: bytes.fromhex(value).decode("utf-8", errors="ignore")
                              for name, value in raw_storage.items()}
         return result
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value

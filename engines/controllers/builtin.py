@@ -1,4 +1,5 @@
-"""Built-in controllers, exposed as tags: ``none`` and ``llguidance`` (``declctrl`` to come).
+"""Built-in controllers, exposed as tags: ``none``, ``llguidance`` and ``declctrl``
+(``engines/controllers/declctrl.py``).
 
 ``HFTokenizerInfo`` gives controllers the model's tokenizer: the HF fast tokenizer for text, the
 llguidance tokenizer built from it (once, ~1 s on a large vocabulary) for grammars.
@@ -15,6 +16,7 @@ import llguidance.hf
 import numpy as np
 
 from engines.controllers.base import Controller, ControllerContext, ControllerError, PreResult
+from engines.controllers.declctrl import DeclController
 
 __all__ = ["BUILTIN_CONTROLLERS", "GuidanceController", "HFTokenizerInfo", "NoneController"]
 
@@ -108,4 +110,5 @@ class GuidanceController(Controller):
         return twin
 
 
-BUILTIN_CONTROLLERS = {"none": NoneController, "llguidance": GuidanceController}
+BUILTIN_CONTROLLERS = {"none": NoneController, "llguidance": GuidanceController,
+                       "declctrl": DeclController}

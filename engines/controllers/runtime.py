@@ -46,7 +46,7 @@ from engines.controllers.base import (
     TokenizerInfo,
     Variables,
 )
-from engines.controllers.shm import BiasMatrix, error_reply, ok_reply
+from engines.controllers.shm import BiasMatrix, error_reply, ok_reply, row_ends
 
 __all__ = ["ControllerFactory", "ControllerRuntime", "Limits", "module_id_of"]
 
@@ -134,7 +134,23 @@ class ControllerRuntime:
                                                    cmd.get("freed") or []))
         if op == "mid_process":
             return ok_reply(self._mid_process(cmd.get("ops") or []))
+        if op == "step":
+            return ok_reply(self._step(cmd))
         return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
+
+    def _step(self, cmd: dict) -> dict:
+        """Beyond the seed: ``post_pre_process`` then ``mid_process`` in one round trip (as
+        AICI's ABI v2 merged its phases). ``mid_ops`` lists every row the engine may sample;
+        those the first half ends (``row_ends``) get no mask; ``mid.ids`` gives the bias rows'
+        order."""
+        data = self._post_pre_process(cmd.get("post_ops") or [], cmd.get("pre_ops") or [],
+                                      cmd.get("freed") or [])
+        post, pre = data["post_seqs"], data["pre_seqs"]
+        ops = [op for op in cmd.get("mid_ops") or []
+               if not row_ends(post.get(str(op["id"])), pre.get(str(op["id"])))]
+        mid = self._mid_process(ops)
+        mid["ids"] = [int(op["id"]) for op in ops]
+        return {**data, "mid": mid}
 
     def _post_pre_process(self, post_ops: list, pre_ops: list, freed: list) -> dict:
         with self._lock:

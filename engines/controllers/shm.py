@@ -79,6 +79,19 @@ def error_reply(message: str, is_user_error: bool = False) -> dict:
     return {"type": "error", "error": message, "is_user_error": is_user_error}
 
 
+def row_ends(post: dict | None, pre: dict | None) -> bool:
+    """Whether a sequence's step records (``post_seqs`` / ``pre_seqs`` entries) end it in an
+    engine that cannot edit in place: the controller stopped or failed, or wants a fork, a
+    suspend, forced or withdrawn tokens."""
+    if post and (post.get("error") or (post.get("result") or {}).get("stop")):
+        return True
+    if pre is None:
+        return False
+    result = pre.get("result") or {}
+    return bool(pre.get("error") or result.get("suspend") or result.get("ff_tokens")
+                or result.get("backtrack") or result.get("num_forks", 1) != 1)
+
+
 def _unwrap(reply: dict) -> Any:
     if reply.get("type") == "ok":
         return reply.get("data")

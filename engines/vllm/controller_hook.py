@@ -2,13 +2,14 @@
 
 vLLM's x86 CPU build runs the V1 model runner, whose logits-processor interface this implements
 (``vllm.v1.sample.logits_processor.LogitsProcessor``; ``../shared/specs/aici.md`` §8.1). Once
-per engine step, in ``apply()``:
+per engine step, in ``apply()``, one round trip (the runtime's ``step``: the seed's two phases
+in one command, as AICI's ABI v2 merged them):
 
 1. ``post_pre_process``: the tokens each controlled row gained since the last step
    (``post_ops``), rows new to the batch bound to their instantiated controller by ``req_id``
    (``pre_ops``), rows that left (``freed``);
-2. ``mid_process`` for the rows that go on, in batch order; their bias rows come back at offset 0
-   of the bias shm and are added to the logits;
+2. ``mid_process`` for the rows that go on (``mid_ops``, less those step 1 ends), in batch
+   order; their bias rows come back at offset 0 of the bias shm and are added to the logits;
 3. a row whose controller stopped, failed, or asked for what vLLM cannot do in place
    (fast-forward, backtrack, fork, suspend) is *ended* this step: only its stop token may be
    sampled. The frontend then reads the controller's state from the runtime and resubmits
@@ -31,7 +32,13 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engines.controllers.shm import BiasMatrix, ChannelError, MainClient, RuntimeReplyError
+from engines.controllers.shm import (
+    BiasMatrix,
+    ChannelError,
+    MainClient,
+    RuntimeReplyError,
+    row_ends,
+)
 
 __all__ = ["AICI_ARG", "ControllerLogitsProcessor", "parse_row_spec"]
 
@@ -122,17 +129,16 @@ class ControllerLogitsProcessor(LogitsProcessor):
             return self._end(logits, list(self._rows), self._dead or
                              "controllers are not enabled on this engine")
         try:
-            ending = self._post_pre_process()
-            go_on = [i for i in sorted(self._rows) if i not in ending]
-            if go_on:
-                ending |= self._mid_process(logits, go_on)
+            ending = self._step(logits)
         except (ChannelError, RuntimeReplyError) as exc:
             self._dead = f"controller runtime unreachable: {exc}"
             logger.error("%s; ending every controlled row", self._dead)
             ending = set(self._rows)
         return self._end(logits, sorted(ending), "")
 
-    def _post_pre_process(self) -> set[int]:
+    def _step(self, logits: torch.Tensor) -> set[int]:
+        """One round trip (the runtime's ``step``: post_pre_process, then mid_process for the
+        rows that go on). Returns the rows to end this step."""
         post_ops, pre_ops = [], []
         for row in self._rows.values():
             if not row.bound:
@@ -147,41 +153,35 @@ class ControllerLogitsProcessor(LogitsProcessor):
                 post_ops.append({"id": row.seq, "tokens": new, "backtrack": 0})
                 row.reported += len(new)
         freed, self._freed = self._freed, []
-        data = self._main.call("post_pre_process", timeout=CHANNEL_TIMEOUT_S,
-                               post_ops=post_ops, pre_ops=pre_ops, freed=freed)
+        batch = sorted(self._rows)
+        data = self._main.call(
+            "step", timeout=CHANNEL_TIMEOUT_S, post_ops=post_ops, pre_ops=pre_ops, freed=freed,
+            mid_ops=[{"id": self._rows[i].seq, "clone_id": None} for i in batch
+                     if not self._rows[i].ending])
         post, pre = data.get("post_seqs") or {}, data.get("pre_seqs") or {}
-        ending = set()
-        for index, row in self._rows.items():
-            key = str(row.seq)
-            done = post.get(key)
-            if done and (done.get("error") or (done.get("result") or {}).get("stop")):
-                ending.add(index)
-            ahead = pre.get(key)
-            if ahead is not None:
-                result = ahead.get("result") or {}
-                if ahead.get("error") or result.get("suspend") or result.get("ff_tokens") or \
-                        result.get("backtrack") or result.get("num_forks", 1) != 1:
-                    ending.add(index)
-            if row.ending:
-                ending.add(index)
-        return ending
+        ending = {i for i in batch if self._rows[i].ending
+                  or row_ends(post.get(str(self._rows[i].seq)), pre.get(str(self._rows[i].seq)))}
+        mid = data.get("mid") or {}
+        index_of = {self._rows[i].seq: i for i in batch}
+        rows = [index_of[seq] for seq in mid.get("ids") or ()]
+        if rows:
+            self._add_bias(logits, rows, set(mid.get("unmasked") or ()))
+        seqs = mid.get("seqs") or {}
+        return ending | {i for i in rows if (seqs.get(str(self._rows[i].seq)) or {}).get("error")}
 
-    def _mid_process(self, logits: torch.Tensor, rows: list[int]) -> set[int]:
-        data = self._main.call("mid_process", timeout=CHANNEL_TIMEOUT_S,
-                               ops=[{"id": self._rows[i].seq, "clone_id": None} for i in rows])
-        seqs = data.get("seqs") or {}
+    def _add_bias(self, logits: torch.Tensor, rows: list[int], skip: set[int]) -> None:
+        """Bias row ``k`` of the shm belongs to batch row ``rows[k]``; ``skip``: all-zero rows
+        (our runtime says which)."""
         width = min(self._vocab, logits.shape[1])
-        skip = set(data.get("unmasked") or ())  # all-zero rows (our runtime says which)
         masked = [k for k in range(len(rows)) if k not in skip]
-        if masked:
-            bias = torch.from_numpy(self._bias.rows(len(rows), self._vocab)[:, :width])
-            if len(masked) < len(rows):
-                bias = bias[torch.tensor(masked, dtype=torch.long)]
-            index = torch.tensor([rows[k] for k in masked], dtype=torch.long,
-                                 device=logits.device)
-            logits[index, :width] += bias.to(device=logits.device, dtype=logits.dtype)
-            del bias  # no view of the shm outlives the step
-        return {i for i in rows if (seqs.get(str(self._rows[i].seq)) or {}).get("error")}
+        if not masked:
+            return
+        bias = torch.from_numpy(self._bias.rows(len(rows), self._vocab)[:, :width])
+        if len(masked) < len(rows):
+            bias = bias[torch.tensor(masked, dtype=torch.long)]
+        index = torch.tensor([rows[k] for k in masked], dtype=torch.long, device=logits.device)
+        logits[index, :width] += bias.to(device=logits.device, dtype=logits.dtype)
+        del bias  # no view of the shm outlives the step
 
     def _end(self, logits: torch.Tensor, rows: list[int], why: str) -> torch.Tensor:
         """Only the stop token may be sampled on these rows: vLLM finishes them this step."""

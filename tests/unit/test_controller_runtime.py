@@ -162,6 +162,38 @@ def test_bias_rows_follow_the_order_of_mid_process_ops():
         bias.close()
 
 
+def test_step_is_post_pre_and_mid_in_one_round_trip_without_masks_for_rows_it_ends():
+    prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
+    bias = BiasMatrix(prefix, size=8 * VOCAB * 4, create=True)
+    try:
+        rt = _runtime(bias)
+        _instantiate(rt, "run-a", "allow=5")
+        _instantiate(rt, "run-b", "ff=7,8")  # forces tokens first: ended this step
+        _instantiate(rt, "run-c", "allow=9 stop-after=1")
+        mid_ops = [{"id": i, "clone_id": None} for i in (3, 1, 2)]
+        answer = rt.handle_main({"op": "step", "post_ops": [], "freed": [], "mid_ops": mid_ops,
+                                 "pre_ops": [{"id": 1, "req_id": "run-a"},
+                                             {"id": 2, "req_id": "run-b"},
+                                             {"id": 3, "req_id": "run-c"}]})
+        assert answer["type"] == "ok"
+        data = answer["data"]
+        assert data["pre_seqs"]["2"]["result"]["ff_tokens"] == [7, 8]
+        assert data["mid"]["ids"] == [3, 1] and data["mid"]["num_seqs"] == 2
+        rows = bias.rows(2, VOCAB)
+        assert int(np.argmax(rows[0])) == 9 and int(np.argmax(rows[1])) == 5
+        del rows
+        # the next step reports c's token: its controller stops, so c gets no mask
+        answer = rt.handle_main({"op": "step", "pre_ops": [], "freed": [],
+                                 "post_ops": [{"id": 3, "tokens": [9], "backtrack": 0}],
+                                 "mid_ops": [{"id": 1, "clone_id": None},
+                                             {"id": 3, "clone_id": None}]})
+        data = answer["data"]
+        assert data["post_seqs"]["3"]["result"] == {"stop": True}
+        assert data["mid"]["ids"] == [1]
+    finally:
+        bias.close()
+
+
 def test_a_slow_mid_process_is_a_logged_no_op_then_fails_the_sequence_others_go_on():
     prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
     bias = BiasMatrix(prefix, size=4 * VOCAB * 4, create=True)

@@ -1,0 +1,329 @@
+"""``declctrl``: AICI's declarative controller, for programs in the JSON shape AICI's Python
+client (``pyaici.ast``) emits: ``{"steps": [{"Fixed": ...}, {"Gen": ...}, ...]}``.
+
+Written from AICI's documented behaviour (shared/specs/aici.md; microsoft/aici's declctrl and
+its test-suite), on this runtime's three phases:
+
+- ``Fixed`` (``text`` expression, ``label``, ``following``, ``stmts``): its text, tokenized
+  alone, is forced (fast-forward). ``following: L`` first withdraws everything from the start
+  of the step labelled ``L`` (backtrack), so the text replaces that step and what came after.
+- ``Gen`` (``rx``, ``stop_at``, ``max_tokens`` / ``max_words`` / ``max_bytes``, ``stmts``):
+  sampling, masked by llguidance when ``rx`` is given (the step's own text must match it
+  whole). It must end at a limit, once ``stop_at`` appeared (kept in the text), or when the
+  regex can take nothing more. A step that *may* end allows, as in AICI, the first token of a
+  ``Fixed`` that follows (the model picking it moves on), and also EOS, which ends the step
+  and is withdrawn (kept only at the program's end). With ``stop_at``, only the stop string
+  or a limit ends it.
+- ``Choose`` (``options``: a list expression): the text is one of the options.
+- ``Stop``, and the end of the steps: the controller stops.
+- Expressions evaluate to bytes: ``String``, ``Var`` (unset: empty), ``Current`` (the step's
+  own text, in ``stmts``), ``Concat`` (``list``: joined by AICI's separator U+FF0C),
+  ``IfEq``, ``Extract`` (``$1``-style templates; ``list``: all matches).
+- ``Set`` statements run when their step ends; each write is a ``WriteVar`` storage entry.
+
+Refused with a clear error: ``Fork`` and ``Wait`` (forks do not run on the vllm engine yet),
+``inner``, ``yacc``. ``mask_tags`` and ``tag`` are accepted and have no effect (as in AICI).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from engines.controllers.base import Controller, ControllerContext, ControllerError, PreResult
+
+__all__ = ["DeclController", "SEP"]
+
+SEP = "\uff0c".encode()  # AICI's list separator (FULLWIDTH COMMA)
+_KINDS = ("Fixed", "Gen", "Choose", "Stop", "Fork", "Wait")
+_WORD_END = re.compile(rb"\S\s")
+_TEMPLATE = re.compile(r"\$(\$|\{(\w+)\}|(\d+))")
+
+
+@dataclass
+class _Step:
+    kind: str
+    spec: dict
+    label: str | None = None
+    stmts: list = field(default_factory=list)
+
+
+def _fail(where: str, why: str) -> ControllerError:
+    return ControllerError(f"declctrl: {where}: {why}")
+
+
+def _parse(arg: str) -> list[_Step]:
+    try:
+        program = json.loads(arg)
+    except json.JSONDecodeError as exc:
+        raise ControllerError(f"declctrl: controller_arg is not JSON: {exc}") from None
+    steps = program.get("steps") if isinstance(program, dict) else None
+    if not isinstance(steps, list) or not steps:
+        raise ControllerError('declctrl: controller_arg is {"steps": [<step>, ...]}')
+    parsed = []
+    for i, raw in enumerate(steps):
+        where = f"step {i}"
+        if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in _KINDS:
+            raise _fail(where, f"a step is one of {{{', '.join(_KINDS)}: {{...}}}}")
+        kind, spec = next(iter(raw.items()))
+        if not isinstance(spec, dict):
+            raise _fail(where, f"{kind} takes an object")
+        if kind in ("Fork", "Wait"):
+            raise _fail(where, f"{kind} needs forks, which the vllm engine does not run yet")
+        if kind == "Gen":
+            if spec.get("yacc") is not None:
+                raise _fail(where, "yacc grammars are not supported; use rx")
+            if spec.get("inner"):
+                raise _fail(where, "Gen.inner is not supported")
+            for limit in ("max_tokens", "max_words", "max_bytes"):
+                value = spec.get(limit)
+                if value is not None and (not isinstance(value, int) or value < 1):
+                    raise _fail(where, f"Gen.{limit} is a positive integer")
+            for text in ("rx", "stop_at"):
+                if spec.get(text) is not None and not isinstance(spec[text], str):
+                    raise _fail(where, f"Gen.{text} is a string")
+        if kind in ("Fixed", "Choose"):
+            key = "text" if kind == "Fixed" else "options"
+            if not isinstance(spec.get(key), dict):
+                raise _fail(where, f"{kind}.{key} is an expression")
+        stmts = spec.get("stmts") or []
+        if not isinstance(stmts, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("Set"), dict)
+                and isinstance(s["Set"].get("var"), str) and isinstance(s["Set"].get("expr"), dict)
+                for s in stmts):
+            raise _fail(where, 'stmts are [{"Set": {"var": <name>, "expr": <expression>}}]')
+        if spec.get("following") is not None and kind != "Fixed":
+            raise _fail(where, "only Fixed steps take 'following'")
+        parsed.append(_Step(kind, spec, spec.get("label"), stmts))
+    return [*parsed, _Step("Stop", {})]
+
+
+class DeclController(Controller):
+    def __init__(self, ctx: ControllerContext, arg: str, prompt: list[int]) -> None:
+        super().__init__(ctx, arg, prompt)
+        self.steps = _parse(arg)
+        self.eos = ctx.tokenizer.eos_token_id
+        self.out: list[int] = []  # the output as this controller sees it
+        self.labels: dict[str, int] = {}  # label → where its step's tokens start in out
+        self.idx = 0
+        self.start = 0  # where the current step's tokens start in out
+        self.entered = False
+        self.withdraw = 0  # a step-ending EOS still in out, to withdraw with the next edit
+        self.forcing: list[int] | None = None  # a Fixed's tokens, until they come back
+        self.matcher: llguidance.LLMatcher | None = None
+        self._next_tokens: list[int] | None = None  # the next Fixed's, once asked for
+
+    @property
+    def step(self) -> _Step:
+        return self.steps[self.idx]
+
+    # --- phases ------------------------------------------------------------------------------
+
+    def pre_process(self) -> PreResult:
+        step = self.step
+        if step.kind == "Stop":
+            return PreResult(num_forks=0)
+        if step.kind == "Fixed":
+            if self.forcing is not None:  # started by the model (its first token): the rest
+                return PreResult(ff_tokens=self.forcing[len(self.out) - self.start:])
+            backtrack = self.withdraw
+            following = step.spec.get("following")
+            if following is not None:
+                if following not in self.labels:
+                    raise _fail(f"step {self.idx}", f"no step labelled {following!r} before it")
+                backtrack = len(self.out) - self.labels[following]
+            self._begin(len(self.out) - backtrack)
+            text = self._eval(step.spec["text"], b"").decode("utf-8", errors="replace")
+            self.forcing = self.ctx.tokenizer.encode(text)
+            self.withdraw = 0
+            return PreResult(backtrack=backtrack, ff_tokens=list(self.forcing))
+        if not self.entered:
+            self._begin(len(self.out) - self.withdraw)
+            self._enter(step)
+        if self.withdraw:  # the EOS that ended the previous step
+            backtrack, self.withdraw = self.withdraw, 0
+            return PreResult(backtrack=backtrack)
+        return PreResult()
+
+    def mid_process(self) -> np.ndarray | None:
+        if self.step.kind not in ("Gen", "Choose"):
+            return None
+        may_end = self._may_end()
+        start = self._next_fixed() if may_end else None
+        if self.matcher is not None:
+            words = np.frombuffer(self.matcher.compute_bitmask(), dtype="<u4").copy()
+            if not may_end:  # llguidance allows EOS wherever the regex accepts
+                words[self.eos // 32] &= ~np.uint32(1 << (self.eos % 32))
+            if start:
+                words[start[0] // 32] |= np.uint32(1 << (start[0] % 32))
+            return words
+        if may_end:
+            return None
+        allowed = np.ones(self.ctx.tokenizer.vocab_size, dtype=bool)
+        allowed[self.eos] = False
+        return allowed
+
+    def post_process(self, tokens: list[int], backtrack: int) -> bool:
+        if backtrack:
+            del self.out[len(self.out) - backtrack:]
+            self.labels = {k: v for k, v in self.labels.items() if v <= len(self.out)}
+        for token in tokens:
+            if self.step.kind == "Stop":
+                break
+            if self.step.kind == "Fixed":
+                self.out.append(token)
+                if len(self.out) - self.start >= len(self.forcing or ()):
+                    self._finish()
+                continue
+            start = self._next_fixed() if self._may_end() else None
+            self.out.append(token)
+            if token == self.eos:
+                self.withdraw = 1  # ends the step; not part of its text
+                self._finish(eos=True)
+            elif start and token == start[0]:
+                # The model began the next (Fixed) step: this one ends before that token, as
+                # AICI's "furthest step that accepts the token" does.
+                self.out.pop()
+                self._finish()
+                self._begin(len(self.out))
+                self.forcing = start
+                self.out.append(token)
+                if len(start) == 1:
+                    self._finish()
+            else:
+                self._advance_gen(token)
+        if self.step.kind == "Fixed" and self.forcing == []:
+            self._finish()  # empty text: nothing comes back
+        return self.step.kind == "Stop"
+
+    # --- steps -------------------------------------------------------------------------------
+
+    def _begin(self, start: int) -> None:
+        self.start = start
+        if self.step.label:
+            self.labels[self.step.label] = start
+
+    def _enter(self, step: _Step) -> None:
+        self.entered = True
+        self.matcher = None
+        if step.kind == "Choose":
+            options = [o for o in self._eval(step.spec["options"], b"").split(SEP)]
+            if options and options[-1] == b"":
+                options.pop()
+            if not options:
+                raise _fail(f"step {self.idx}", "Choose has no options")
+            lark = " | ".join(json.dumps(o.decode("utf-8", errors="replace"),
+                                         ensure_ascii=False) for o in options)
+            self.matcher = self._matcher(llguidance.LLMatcher.grammar_from_lark("start: " + lark))
+        elif step.spec.get("rx") is not None:
+            # The step's whole text matches: AICI anchors both ends.
+            rx = step.spec["rx"].removeprefix("^")
+            rx = rx[:-1] if rx.endswith("$") and not rx.endswith("\\$") else rx
+            self.matcher = self._matcher(llguidance.LLMatcher.grammar_from_regex(rx))
+
+    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+        tok = self.ctx.tokenizer.llg  # type: ignore[attr-defined]
+        error = llguidance.LLMatcher.validate_grammar(grammar, tok)
+        if error:
+            raise _fail(f"step {self.idx}", error)
+        return llguidance.LLMatcher(tok, grammar, log_level=0)
+
+    def _next_fixed(self) -> list[int] | None:
+        """The tokens of the next step when it is a Fixed the model may start right here
+        (AICI's mask for a step that may end includes the next step's first token). Its text
+        is taken now: variables this step sets are not written yet (as in AICI)."""
+        following = self.steps[self.idx + 1]
+        if following.kind != "Fixed" or following.spec.get("following") is not None:
+            return None
+        if self._next_tokens is None:
+            text = self._eval(following.spec["text"], b"").decode("utf-8", errors="replace")
+            self._next_tokens = self.ctx.tokenizer.encode(text)
+        return self._next_tokens or None
+
+    def _text(self) -> bytes:
+        return self.ctx.tokenizer.decode(self.out[self.start:])
+
+    def _may_end(self) -> bool:
+        spec = self.step.spec
+        if spec.get("stop_at"):
+            return False  # only the stop string (or a limit) ends it
+        if self.matcher is not None:
+            return self.matcher.is_accepting()
+        return len(self.out) > self.start
+
+    def _advance_gen(self, token: int) -> None:
+        if self.matcher is not None and not self.matcher.consume_token(token):
+            raise _fail(f"step {self.idx}", f"token {token} outside the step's constraint: "
+                                            f"{self.matcher.get_error()}")
+        spec, text = self.step.spec, self._text()
+        stop_at = spec.get("stop_at")
+        done = (stop_at and stop_at.encode() in text[-(len(stop_at.encode())
+                                                       + len(self.ctx.tokenizer.decode([token]))):])
+        done = done or (spec.get("max_tokens") and len(self.out) - self.start >= spec["max_tokens"])
+        done = done or (spec.get("max_bytes") and len(text) >= spec["max_bytes"])
+        done = done or (spec.get("max_words") and
+                        len(_WORD_END.findall(text)) >= spec["max_words"])
+        if not stop_at and self.matcher is not None and self.matcher.is_stopped():
+            done = True
+        if done:
+            self._finish()
+
+    def _finish(self, eos: bool = False) -> None:
+        current = self.ctx.tokenizer.decode(self.out[self.start:len(self.out) - eos])
+        step = self.step
+        self.ctx.log(f"finish: {step.kind} {current.decode('utf-8', errors='replace')!r}")
+        for stmt in step.stmts:
+            name, value = stmt["Set"]["var"], self._eval(stmt["Set"]["expr"], current)
+            self.ctx.set_var(name, value)
+            self.ctx.log(f"  set ${name} := {value.decode('utf-8', errors='replace')!r}")
+        self.idx += 1
+        self.entered, self.forcing, self.matcher, self._next_tokens = False, None, None, None
+
+    # --- expressions -------------------------------------------------------------------------
+
+    def _eval(self, expr: Any, current: bytes) -> bytes:
+        where = f"step {self.idx}"
+        if not isinstance(expr, dict) or len(expr) != 1:
+            raise _fail(where, f"not an expression: {expr!r}")
+        kind, spec = next(iter(expr.items()))
+        if kind == "String" and isinstance(spec.get("str"), str):
+            return spec["str"].encode()
+        if kind == "Var" and isinstance(spec.get("var"), str):
+            return self.ctx.get_var(spec["var"]) or b""
+        if kind == "Current":
+            return current
+        if kind == "Concat" and isinstance(spec.get("parts"), list):
+            parts = [self._eval(p, current) for p in spec["parts"]]
+            return (SEP if spec.get("list") else b"").join(parts)
+        if kind == "IfEq":
+            same = self._eval(spec.get("a"), current) == self._eval(spec.get("b"), current)
+            return self._eval(spec.get("eq" if same else "neq"), current)
+        if kind == "Extract" and isinstance(spec.get("rx"), str):
+            source = self._eval(spec.get("from"), current)
+            try:
+                rx = re.compile(spec["rx"].encode())
+            except re.error as exc:
+                raise _fail(where, f"Extract.rx: {exc}") from None
+            template = str(spec.get("template", "$1"))
+            found = [_expand(m, template) for m in rx.finditer(source)]
+            return SEP.join(found) if spec.get("list") else (found[0] if found else b"")
+        raise _fail(where, f"not an expression: {json.dumps(expr)[:200]}")
+
+
+def _expand(match: re.Match, template: str) -> bytes:
+    def group(m: re.Match) -> str:
+        if m.group(1) == "$":
+            return "$"
+        key = m.group(2) or m.group(3)
+        try:
+            value = match.group(int(key) if key.isdigit() else key)
+        except IndexError:  # no such group: empty, as AICI's templates
+            value = None
+        return (value or b"").decode("utf-8", errors="surrogateescape")
+    return _TEMPLATE.sub(group, template).encode("utf-8", errors="surrogateescape")
+

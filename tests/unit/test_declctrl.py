@@ -1,0 +1,200 @@
+"""declctrl (engines/controllers/declctrl.py) against a stand-in for the engine that respects
+its masks and edits: every construct, with the embedded model's real tokenizer (llguidance
+needs one). The stand-in "model" wants to write one of ``scripts`` (the first that the text so
+far begins): at each step it picks the allowed token that continues it furthest, EOS when it
+is done (if allowed), else the first allowed token. Programs are in the JSON shape AICI's ``pyaici.ast`` emits
+(``tests/aici_ast.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engines.controllers.base import ControllerContext, ControllerError, Variables
+from engines.controllers.declctrl import SEP, DeclController
+from tests import aici_ast as ast
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from engines.controllers.builtin import HFTokenizerInfo
+    from engines.embedded import prepare_embedded_model
+    return HFTokenizerInfo.from_pretrained(str(prepare_embedded_model(progress=False)))
+
+
+class _Run:
+    def __init__(self, tok, steps, *scripts: str):
+        self.tok, self.scripts = tok, [s.encode() for s in scripts]
+        self.ctx = ControllerContext(tok, Variables())
+        self.ctrl = DeclController(self.ctx, json.dumps({"steps": steps}), [])
+        self.out: list[int] = []
+        self.backtracks: list[int] = []
+
+    def _allowed(self) -> np.ndarray:
+        mask = self.ctrl.mid_process()
+        if mask is None:
+            return np.ones(self.tok.vocab_size, dtype=bool)
+        if mask.dtype == np.bool_:
+            return mask
+        bits = np.unpackbits(mask.astype("<u4").view(np.uint8), bitorder="little")
+        return bits[:self.tok.vocab_size].astype(bool)
+
+    def _sample(self) -> int:
+        allowed = self._allowed()
+        text = self.tok.decode(self.out)
+        rest = next((s[len(text):] for s in self.scripts if s.startswith(text)), b"")
+        best, best_len = None, 0
+        for t in np.flatnonzero(allowed):
+            piece = self.tok.decode([int(t)])
+            if piece and rest.startswith(piece) and len(piece) > best_len:
+                best, best_len = int(t), len(piece)
+        if best is not None:
+            return best
+        if allowed[self.tok.eos_token_id]:
+            return self.tok.eos_token_id
+        return int(np.flatnonzero(allowed)[0])
+
+    def go(self, limit: int = 200) -> str:
+        while len(self.out) < limit:
+            pre = self.ctrl.pre_process()
+            if pre.num_forks == 0:
+                break
+            if pre.backtrack or pre.ff_tokens:
+                if pre.backtrack:
+                    self.backtracks.append(pre.backtrack)
+                    del self.out[len(self.out) - pre.backtrack:]
+                self.out += pre.ff_tokens
+                if self.ctrl.post_process(list(pre.ff_tokens), pre.backtrack):
+                    break
+                continue
+            token = self._sample()
+            self.out.append(token)
+            if self.ctrl.post_process([token], 0):
+                break
+        return self.text
+
+    @property
+    def text(self) -> str:
+        return self.tok.decode(self.out).decode()
+
+    def var(self, name: str) -> str:
+        return (self.ctx.get_var(name) or b"").decode()
+
+
+def test_fixed_then_gen_with_limits(tok):
+    run = _Run(tok, [ast.fixed("Hello"), ast.gen(max_tokens=3)], "Hello, I am here")
+    assert run.go() == "Hello, I am"  # 3 tokens, then the program ends
+    assert run.ctrl.step.kind == "Stop"
+
+
+def test_gen_num_masks_digits_and_forces_the_fixed_text_between(tok):
+    steps = [ast.fixed("I am about "), ast.gen(max_tokens=2, rx=r"\d+"),
+             ast.fixed(" years and "), ast.gen(max_tokens=2, rx=r"\d+"), ast.fixed(" months.")]
+    # The "model" would rather write words: the mask makes it write digits.
+    run = _Run(tok, steps, "I am about ten years")
+    text = run.go()
+    import re
+    assert re.fullmatch(r"I am about \d{1,2} years and \d{1,2} months\.", text), text
+
+
+def test_a_step_that_may_end_ends_where_the_model_starts_the_next_fixed_text(tok):
+    steps = [ast.fixed("Hello"), ast.gen(rx=", ", max_tokens=10), ast.fixed("3 + 8 ="),
+             ast.gen(rx=r" \d+", set_var="sum"), ast.fixed("!")]
+    # ", " ends by itself (nothing can follow); " \d+" may go on, and its mask also holds the
+    # first token of "!", which the model picks: the Gen ends there, as in AICI.
+    run = _Run(tok, steps, "Hello, 3 + 8 = 11!")
+    assert run.go() == "Hello, 3 + 8 = 11!"
+    assert run.backtracks == [] and tok.eos_token_id not in run.out
+    assert run.var("sum") == " 11"
+
+
+def test_a_step_that_may_end_before_a_gen_ends_on_eos_which_is_withdrawn(tok):
+    steps = [ast.fixed("n ="), ast.gen(rx=r" \d+", set_var="n"),
+             ast.gen(rx="[a-z ]+", max_tokens=3)]
+    run = _Run(tok, steps, "n = 7 abc")
+    run.go()
+    assert run.backtracks == [1]  # the EOS that ended " \d+"
+    assert tok.eos_token_id not in run.out[:-1]
+    assert tok.decode([t for t in run.out if t != tok.eos_token_id]).decode() == "n = 7 abc"
+    assert run.var("n") == " 7"
+
+
+def test_the_eos_that_ends_the_last_step_stays(tok):
+    run = _Run(tok, [ast.fixed("n ="), ast.gen(rx=r" \d+")], "n = 7")
+    run.go()
+    assert run.out[-1] == tok.eos_token_id and run.backtracks == []
+    assert tok.decode(run.out[:-1]).decode() == "n = 7"
+
+
+def test_stop_at_keeps_the_stop_string_in_the_text_and_the_variable(tok):
+    steps = [ast.fixed("List:"), ast.gen(max_tokens=20, stop_at="DONE", set_var="x"),
+             ast.fixed("!")]
+    run = _Run(tok, steps, "List: a b DONE and more")
+    assert run.go() == "List: a b DONE!"
+    assert run.var("x") == " a b DONE"
+    writes = [e["WriteVar"] for e in run.ctx.journal()[1]]
+    assert writes == [{"name": "x", "value": b" a b DONE".hex(), "op": "Set",
+                       "when_version_is": None}]
+
+
+def test_following_a_label_replaces_that_step_and_what_came_after(tok):
+    steps = [ast.fixed("Remember:\nFoo"), ast.label("l", ast.fixed("\nBar")),
+             ast.fixed("\nRepeat:\n"), ast.gen(max_tokens=10, stop_at="DONE", set_var="x"),
+             ast.fixed("\nQux\nRepeat:\n", following="l"),
+             ast.gen(max_tokens=10, stop_at="DONE", set_var="y")]
+    run = _Run(tok, steps, "Remember:\nFoo\nBar\nRepeat:\nFoo Bar DONE",
+               "Remember:\nFoo\nQux\nRepeat:\nFoo Qux DONE")
+    text = run.go()
+    assert text == "Remember:\nFoo\nQux\nRepeat:\nFoo Qux DONE"
+    assert (run.var("x"), run.var("y")) == ("Foo Bar DONE", "Foo Qux DONE")
+    assert run.backtracks == [len(tok.encode("\nBar")) + len(tok.encode("\nRepeat:\n"))
+                              + len(tok.encode("Foo Bar DONE"))]
+
+
+def test_choose_picks_one_option(tok):
+    steps = [ast.fixed("valid:"), ast.choose(["true", "false"]), ast.fixed(".")]
+    assert _Run(tok, steps, "valid:false, surely").go() == "valid:false."
+
+
+def test_expressions_and_statements(tok):
+    steps = [ast.fixed("n="),
+             ast.gen(rx=r"\d+", max_tokens=2, stmts=[
+                 ast.stmt_set("list", ast.e_list(ast.e_str("a"), ast.e_current())),
+                 ast.stmt_set("eq", ast.e_ifeq(ast.e_current(), ast.e_str("42"),
+                                               ast.e_str("yes"), ast.e_str("no"))),
+                 ast.stmt_set("ext", ast.e_extract_all(r"(\d)", ast.e_current(), "<$1>")),
+                 ast.stmt_set("one", ast.e_extract_one(r"(\d)(\d)", ast.e_current(), "$2$1$3")),
+             ]),
+             ast.fixed(" then {{eq}} {{missing}}.", expand_vars=True)]
+    run = _Run(tok, steps, "n=42")
+    assert run.go() == "n=42 then yes ."
+    assert run.ctx.get_var("list") == b"a" + SEP + b"42"
+    assert run.ctx.get_var("ext") == b"<4>" + SEP + b"<2>"
+    assert run.var("one") == "24"
+
+
+@pytest.mark.parametrize(("steps", "needle"), [
+    ([ast.fork([ast.fixed("a")], [ast.fixed("b")])], "Fork needs forks"),
+    ([ast.wait_vars("x")], "Wait needs forks"),
+    ([ast.gen(yacc="x: 'a';")], "yacc"),
+    ([ast.gen(inner={"<city>": ast.e_str("a")})], "inner"),
+    ([{"Gen": {"max_tokens": 0}}], "max_tokens"),
+    ([{"Nope": {}}], "a step is one of"),
+    ([ast.gen(rx="(")], "step 0"),
+])
+def test_programs_this_engine_cannot_run_are_refused_clearly(tok, steps, needle):
+    with pytest.raises(ControllerError, match=needle):
+        _Run(tok, steps).go()
+
+
+@pytest.mark.parametrize("arg", ["not json", "[]", '{"steps": []}', '{"steps": [1]}'])
+def test_malformed_programs_are_refused(tok, arg):
+    with pytest.raises(ControllerError, match="declctrl"):
+        DeclController(ControllerContext(tok, Variables()), arg, [])
+
+
+def test_following_an_unknown_label_is_an_error(tok):
+    with pytest.raises(ControllerError, match="no step labelled 'x'"):
+        _Run(tok, [ast.fixed("a"), ast.fixed("b", following="x")]).go()
