@@ -251,6 +251,9 @@ class Usage(_Frozen, kw_only=True):
     completion_tokens: int
     forced_tokens: int = 0
     sampled_tokens: int | None = None
+    # Prompt tokens the engine took from its prefix cache (a controlled run: summed over the
+    # resubmissions its edits cost).
+    cached_tokens: int = 0
 
     @property
     def sampled(self) -> int:

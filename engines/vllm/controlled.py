@@ -62,7 +62,7 @@ class Segment:
 
     finish: str = ""  # vLLM's finish_reason: "stop" / "length" / "abort"
     stop_reason: str | int | None = None
-    cached_tokens: int = 0  # of the prompt, from vLLM's prefix cache (logged)
+    cached_tokens: int = 0  # of the prompt, from vLLM's prefix cache
 
 
 class _ControllerFailed(Exception):
@@ -95,6 +95,7 @@ class ControlledRun:
         self.spliced = False
         self.logs: list[str] = []
         self.storage: list[dict] = []
+        self.cached = 0  # prompt tokens from the prefix cache, over all segments
         self.carry = ""  # text of a dropped stop token's delta, for the next event
         self.pending: TokenEvent | None = None  # emitted once the next one is known
         self.started = time.monotonic()
@@ -197,9 +198,10 @@ class ControlledRun:
                     continue
                 for out in self._hold(event):
                     yield out
-            # resubmissions rely on the prefix cache (full 16-token blocks only)
+            # resubmissions rely on the prefix cache (whole blocks: 128 tokens on CPUs)
             log.debug("%s: segment of %d prompt tokens, %d from the prefix cache", self.req_id,
                       len(ids), segment.cached_tokens)
+            self.cached += segment.cached_tokens
             if last is None:  # ended without a token (aborted)
                 for event in self._finish("abort"):
                     yield event
@@ -297,7 +299,8 @@ class ControlledRun:
                           usage=Usage(prompt_tokens=len(self.prompt_ids),
                                       completion_tokens=len(self.out),
                                       forced_tokens=self.forced,
-                                      sampled_tokens=self.sampled if self.spliced else None),
+                                      sampled_tokens=self.sampled if self.spliced else None,
+                                      cached_tokens=self.cached),
                           timings=Timings(ttft_s=first - self.started, decode_s=now - first))
 
 

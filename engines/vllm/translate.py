@@ -52,7 +52,8 @@ class Translator:
             events.extend(self._tokens(choice, output.metrics, batch_size))
             if choice.finish_reason is not None and choice.index in self.open:
                 events.append(self._final(choice.index, choice.finish_reason, choice.stop_reason,
-                                          output.metrics))
+                                          output.metrics,
+                                          getattr(output, "num_cached_tokens", 0) or 0))
         return events
 
     def _prompt_event(self, output) -> PromptEvent:
@@ -128,14 +129,14 @@ class Translator:
             return after[len(before):]
         return ""
 
-    def _final(self, index, reason, stop_reason, metrics) -> FinalEvent:
+    def _final(self, index, reason, stop_reason, metrics, cached: int = 0) -> FinalEvent:
         self.open.discard(index)
         return FinalEvent(
             index=index,
             finish_reason=finish_reason(reason, stop_reason, self.request.sampling.stop_token_ids),
             stop_reason=stop_reason,
             usage=Usage(prompt_tokens=len(self.prompt_ids),
-                        completion_tokens=self.counts.get(index, 0)),
+                        completion_tokens=self.counts.get(index, 0), cached_tokens=cached),
             timings=self._timings(metrics),
         )
 

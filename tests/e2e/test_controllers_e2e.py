@@ -200,6 +200,17 @@ async def test_lmtp_generate_with_a_controller_streams_forced_and_masked_tokens(
 # --- backtrack + fast-forward: the operator's example controller (engines/controllers/examples)
 
 REDACT_PROMPT = "The capital of France is"
+# Long enough that a resubmission finds a whole block in vLLM's prefix cache (128 tokens per
+# block on CPUs, vLLM's CPU default; 16 on GPUs).
+LONG_PROMPT = ("Facts about Europe. Germany is a country in central Europe; its capital is "
+               "Berlin, on the river Spree. Italy is a country in southern Europe; its capital "
+               "is Rome, on the river Tiber. Spain is a country in south-western Europe; its "
+               "capital is Madrid. Portugal is a country on the Atlantic coast; its capital is "
+               "Lisbon, on the river Tagus. Austria is a country in the Alps; its capital is "
+               "Vienna, on the river Danube. Hungary is a country in central Europe; its capital "
+               "is Budapest, also on the Danube. Poland is a country in central Europe; its "
+               "capital is Warsaw, on the river Vistula. France is a country in western Europe. "
+               "The capital of France is")
 REDACT = {"words": ["Paris"], "replacement": "[redacted]"}
 
 
@@ -222,7 +233,7 @@ async def test_a_backtrack_resubmits_and_the_continuation_equals_one_pass_over_t
 
     client = ServeEngineClient(engine_handle, MODEL, monitor_interval_s=None)
     request = GenerateRequest(
-        request_id="redact-e2e", model=MODEL, prompt=TextPrompt(text=REDACT_PROMPT),
+        request_id="redact-e2e", model=MODEL, prompt=TextPrompt(text=LONG_PROMPT),
         sampling=Sampling(temperature=0, max_tokens=16), output=OutputOptions(splices="full"),
         controller=ControllerSpec(module="redact", arg=json.dumps(REDACT)))
     ids: list[int] = []
@@ -251,7 +262,9 @@ async def test_a_backtrack_resubmits_and_the_continuation_equals_one_pass_over_t
     assert final.usage.completion_tokens == 16 and final.usage.forced_tokens >= 1
     assert final.usage.sampled_tokens == 16 - final.usage.forced_tokens + sum(
         b.count for b in backtracks)
-    prompt_ids = (await engine_handle.reference_greedy.remote(REDACT_PROMPT, 1)).prompt_token_ids
+    # the resubmission after the edit prefilled its prompt's whole blocks from the cache
+    assert final.usage.prompt_tokens > 128 and final.usage.cached_tokens >= 128, final.usage
+    prompt_ids = (await engine_handle.reference_greedy.remote(LONG_PROMPT, 1)).prompt_token_ids
     rest = ids[last_forced:]
     assert rest, "nothing generated after the forced tokens"
     reference = await engine_handle.reference_greedy.remote(prompt_ids + ids[:last_forced],
