@@ -126,6 +126,7 @@ def main() -> None:
            "vocab": vocab, "command": " ".join(["python", "bench/controllers.py", *sys.argv[1:]]),
            "rows": rows}
     path = ROOT / "bench" / "results" / "controllers.json"
+    path.parent.mkdir(parents=True, exist_ok=True)  # ignored by git: absent in a clone
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
 
