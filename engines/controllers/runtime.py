@@ -148,7 +148,7 @@ class ControllerRuntime:
         post, pre = data["post_seqs"], data["pre_seqs"]
         ops = [op for op in cmd.get("mid_ops") or []
                if not row_ends(post.get(str(op["id"])), pre.get(str(op["id"])))]
-        mid = self._mid_process(ops)
+        mid = self._mid_process(ops, bits=cmd.get("mask_format") == "bits")
         mid["ids"] = [int(op["id"]) for op in ops]
         return {**data, "mid": mid}
 
@@ -239,11 +239,14 @@ class ControllerRuntime:
             out[key] = (result, error, micros)
         return out
 
-    def _mid_process(self, ops: list) -> dict:
+    def _mid_process(self, ops: list, bits: bool = False) -> dict:
+        """The seed's dense float rows, or (``bits``, beyond the seed) allowed-token bitmasks."""
         vocab = self.tokenizer.vocab_size
-        rows = self._bias.rows(len(ops), vocab) if self._bias is not None else None
-        if rows is not None:
-            rows[:] = 0.0
+        rows = None
+        if self._bias is not None:
+            rows = self._bias.words(len(ops), vocab) if bits else self._bias.rows(len(ops), vocab)
+            rows[:] = 0xFFFFFFFF if bits else 0.0
+        apply = _pack_allowed if bits else _apply_allowed
         seqs: dict[str, dict] = {}
         calls = {}
         for i, op in enumerate(ops):
@@ -272,7 +275,7 @@ class ControllerRuntime:
                 unmasked.append(i)
             if not error and value is not None and rows is not None:
                 try:
-                    _apply_allowed(rows[i], value)
+                    apply(rows[i], value)
                 except (TypeError, ValueError) as exc:
                     error = seq.failed = f"mid_process returned an unusable mask: {exc}"
             seqs[str(ops[i]["id"])] = _record(seq, None, error, micros)
@@ -515,6 +518,22 @@ def _record(seq: _Seq | None, result: Any, error: str, micros: int) -> dict:
     logs, storage = seq.ctx.drain() if seq is not None else ("", [])
     return {"error": error, "result": result, "storage": storage, "logs": logs,
             "micros": micros}
+
+
+def _pack_allowed(words: np.ndarray, allowed: np.ndarray) -> None:
+    """Write ``allowed`` (a bool per id, or llguidance's packed bitmask) as a bitmask row; ids
+    past it are banned."""
+    allowed = np.asarray(allowed)
+    if allowed.dtype == np.bool_:
+        packed = np.packbits(allowed, bitorder="little")
+        packed = np.pad(packed, (0, (-len(packed)) % 4)).view("<u4")
+    elif allowed.dtype in (np.int32, np.uint32):
+        packed = allowed.astype("<u4", copy=False)
+    else:
+        raise TypeError(f"expected bool or int32 bitmask, got {allowed.dtype}")
+    n = min(len(packed), len(words))
+    words[:n] = packed[:n]
+    words[n:] = 0
 
 
 def _apply_allowed(row: np.ndarray, allowed: np.ndarray) -> None:

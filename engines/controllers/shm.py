@@ -223,6 +223,16 @@ class BiasMatrix:
                              f"{len(self._map)} bytes")
         return np.frombuffer(self._map, np.float32, num_seqs * vocab).reshape(num_seqs, vocab)
 
+    def words(self, num_seqs: int, vocab: int) -> np.ndarray:
+        """Beyond the seed, when the engine asks for it: the same region as allowed-token
+        bitmasks, ``uint32[num_seqs, ceil(vocab / 32)]`` (bit ``t % 32`` of word ``t // 32``;
+        llguidance's layout), 1/32 of the dense rows' bytes."""
+        width = (vocab + 31) // 32
+        if num_seqs * width * 4 > len(self._map):
+            raise ValueError(f"{num_seqs} bitmasks of {vocab} bits exceed {self.name}'s "
+                             f"{len(self._map)} bytes")
+        return np.frombuffer(self._map, np.uint32, num_seqs * width).reshape(num_seqs, width)
+
     def close(self) -> None:
         # Views handed out keep the buffer exported; drop them before closing.
         try:

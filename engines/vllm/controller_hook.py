@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -42,6 +43,7 @@ from engines.controllers.shm import (
 
 __all__ = ["AICI_ARG", "ControllerLogitsProcessor", "parse_row_spec"]
 
+_SHIFTS = torch.arange(32, dtype=torch.int32)
 logger = logging.getLogger(__name__)
 AICI_ARG = "aici"
 # A runtime that does not answer within this is gone (the per-controller bound is its own,
@@ -156,6 +158,7 @@ class ControllerLogitsProcessor(LogitsProcessor):
         batch = sorted(self._rows)
         data = self._main.call(
             "step", timeout=CHANNEL_TIMEOUT_S, post_ops=post_ops, pre_ops=pre_ops, freed=freed,
+            mask_format="bits",
             mid_ops=[{"id": self._rows[i].seq, "clone_id": None} for i in batch
                      if not self._rows[i].ending])
         post, pre = data.get("post_seqs") or {}, data.get("pre_seqs") or {}
@@ -165,23 +168,28 @@ class ControllerLogitsProcessor(LogitsProcessor):
         index_of = {self._rows[i].seq: i for i in batch}
         rows = [index_of[seq] for seq in mid.get("ids") or ()]
         if rows:
-            self._add_bias(logits, rows, set(mid.get("unmasked") or ()))
+            self._mask(logits, rows, set(mid.get("unmasked") or ()))
         seqs = mid.get("seqs") or {}
         return ending | {i for i in rows if (seqs.get(str(self._rows[i].seq)) or {}).get("error")}
 
-    def _add_bias(self, logits: torch.Tensor, rows: list[int], skip: set[int]) -> None:
-        """Bias row ``k`` of the shm belongs to batch row ``rows[k]``; ``skip``: all-zero rows
-        (our runtime says which)."""
+    def _mask(self, logits: torch.Tensor, rows: list[int], skip: set[int]) -> None:
+        """Bitmask ``k`` of the shm (``uint32`` words, bit ``t % 32`` of word ``t // 32``)
+        belongs to batch row ``rows[k]``; banned ids become ``-inf``. ``skip``: rows left
+        unconstrained (our runtime says which)."""
         width = min(self._vocab, logits.shape[1])
         masked = [k for k in range(len(rows)) if k not in skip]
         if not masked:
             return
-        bias = torch.from_numpy(self._bias.rows(len(rows), self._vocab)[:, :width])
+        words = torch.from_numpy(self._bias.words(len(rows), self._vocab).view(np.int32))
         if len(masked) < len(rows):
-            bias = bias[torch.tensor(masked, dtype=torch.long)]
+            words = words[torch.tensor(masked, dtype=torch.long)]
+        else:
+            words = words.clone()  # no view of the shm outlives the step
+        bits = (words.unsqueeze(-1) >> _SHIFTS) & 1  # arithmetic shift: bit 31 reads right
+        allowed = bits.reshape(len(masked), -1)[:, :width].to(torch.bool)
         index = torch.tensor([rows[k] for k in masked], dtype=torch.long, device=logits.device)
-        logits[index, :width] += bias.to(device=logits.device, dtype=logits.dtype)
-        del bias  # no view of the shm outlives the step
+        logits[index, :width] = logits[index, :width].masked_fill(
+            ~allowed.to(logits.device), float("-inf"))
 
     def _end(self, logits: torch.Tensor, rows: list[int], why: str) -> torch.Tensor:
         """Only the stop token may be sampled on these rows: vLLM finishes them this step."""

@@ -190,6 +190,20 @@ def test_step_is_post_pre_and_mid_in_one_round_trip_without_masks_for_rows_it_en
         data = answer["data"]
         assert data["post_seqs"]["3"]["result"] == {"stop": True}
         assert data["mid"]["ids"] == [1]
+        # beyond the seed: bitmasks instead of dense rows when the engine asks for them
+        _instantiate(rt, "run-d", "")
+        answer = rt.handle_main({"op": "step", "post_ops": [], "freed": [],
+                                 "pre_ops": [{"id": 4, "req_id": "run-d"}],
+                                 "mask_format": "bits",
+                                 "mid_ops": [{"id": 4, "clone_id": None},
+                                             {"id": 1, "clone_id": None}]})
+        assert answer["data"]["mid"]["ids"] == [4, 1]
+        assert answer["data"]["mid"]["unmasked"] == [0]
+        words = bias.words(2, VOCAB)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little").reshape(2, -1)
+        assert bits[0].all()  # unconstrained: every id allowed
+        assert np.flatnonzero(bits[1]).tolist() == [5]
+        del words
     finally:
         bias.close()
 
