@@ -422,7 +422,8 @@ class ControllerRuntime:
 
     def _start_instantiate(self, request: dict, reply: Callable[[dict], None]) -> None:
         """Answer with the controller built, or with a timeout after ``Limits.init_s``,
-        whichever comes first; a controller finished after its timeout is dropped."""
+        whichever comes first; a controller finished after its timeout is dropped. With
+        ``advance: true`` the answer is the first ``advance``'s (its pre result)."""
         first = threading.Lock()
 
         def expire() -> None:
@@ -433,6 +434,10 @@ class ControllerRuntime:
         def build() -> None:
             answer = self._instantiate(request, first)
             timer.cancel()
+            if answer is not None and answer.get("type") == "ok" and request.get("advance"):
+                # Beyond the seed: the first ``advance`` in the same answer (one round trip
+                # less before a controlled request's prefill).
+                answer = self._advance({"req_id": request["req_id"], "tokens": []})
             if answer is not None:
                 reply(answer)
 

@@ -117,8 +117,10 @@ class ControlledRun:
             raise _ControllerFailed("controller runtime unreachable", "engine") from None
 
     async def _advance(self, tokens: list[int], backtrack: int = 0) -> dict:
-        state = await self._side("advance", req_id=self.req_id, tokens=tokens,
-                                 backtrack=backtrack)
+        return self._state(await self._side("advance", req_id=self.req_id, tokens=tokens,
+                                            backtrack=backtrack))
+
+    def _state(self, state: dict) -> dict:
         self.logs.append(state.get("logs") or "")
         self.storage += state.get("storage") or []
         if state.get("error"):
@@ -133,9 +135,12 @@ class ControlledRun:
             yield refused
             return
         try:
-            await self._side("instantiate", req_id=self.req_id, prompt=self.prompt_ids,
-                             module_id=spec.module, module_arg=spec.arg)
-            async for event in self._segments():
+            # Built, and its first pre_process run, in one round trip: text the controller
+            # forces at the start costs no prefill.
+            state = self._state(await self._side(
+                "instantiate", req_id=self.req_id, prompt=self.prompt_ids,
+                module_id=spec.module, module_arg=spec.arg, advance=True))
+            async for event in self._segments(state):
                 yield event
         except _ControllerFailed as exc:
             for event in self._flush():
@@ -147,8 +152,7 @@ class ControlledRun:
             except ChannelError:
                 pass
 
-    async def _segments(self) -> AsyncIterator[Event]:
-        state = await self._advance([])  # the first pre_process: forced text costs no prefill
+    async def _segments(self, state: dict) -> AsyncIterator[Event]:
         while True:
             # Withdrawn tokens make room again; a controller that keeps withdrawing what it
             # made still ends, at 4x the budget in tokens appended.

@@ -458,3 +458,17 @@ def test_advance_reports_stop_and_failures_and_release_forgets_the_controller():
     assert gone["type"] == "error" and "no controller" in gone["error"]
     bad = _side(rt, {"op": "advance", "$rid": "z", "req_id": "run-f", "tokens": ["a"]})
     assert bad["type"] == "error" and bad["is_user_error"]
+
+
+def test_instantiate_with_advance_answers_the_first_pre_process_in_the_same_round_trip():
+    Counting.pres = 0
+    rt = ControllerRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
+    answer = _side(rt, {"op": "instantiate", "$rid": "r", "req_id": "run-x", "prompt": [1],
+                        "module_id": "counting", "module_arg": "ff=5", "advance": True})
+    assert answer["type"] == "ok", answer
+    assert answer["data"]["pre"]["ff_tokens"] == [5] and answer["data"]["stop"] is False
+    assert Counting.pres == 1
+    assert _advance(rt, "run-x")["pre"]["ff_tokens"] == [5] and Counting.pres == 1  # owed once
+    bad = _side(rt, {"op": "instantiate", "$rid": "r", "req_id": "run-y", "prompt": [1],
+                     "module_id": "nope", "module_arg": "", "advance": True})
+    assert bad["type"] == "error" and "unknown controller" in bad["error"]
