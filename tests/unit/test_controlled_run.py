@@ -91,15 +91,18 @@ class _Model:
             post = [{"id": seq, "tokens": [token], "backtrack": 0}]
 
 
-def _run(arg, script, max_tokens=8, module="scripted", **request):
-    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted, "boom": _FailsOnSecondToken,
-                                             "backtrack": Backtracking},
-                           None, Limits(step_s=1.0))
-    side, model = _Side(rt), _Model(rt, script)
+def _run(arg, script, max_tokens=8, module="scripted", controllers=None, prompt=(9, 9),
+         tok=None, info=None, **request):
+    """One controlled run; ``controllers`` (default: the scripted ones) by tag, ``tok`` the
+    driver's and the stand-in model's tokenizer, ``info`` the controllers'."""
+    controllers = controllers or {"scripted": Scripted, "boom": _FailsOnSecondToken,
+                                  "backtrack": Backtracking}
+    rt = ControllerRuntime(info or FakeTokenizer(), controllers, None, Limits(step_s=1.0))
+    side, model = _Side(rt), _Model(rt, script, tok)
     req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
                           sampling=Sampling(max_tokens=max_tokens, **request.pop("sampling", {})),
                           controller=ControllerSpec(module=module, arg=arg), **request)
-    run = ControlledRun(req, [9, 9], max_tokens, side, _Tok(), EOS, model.segment)
+    run = ControlledRun(req, list(prompt), max_tokens, side, tok or _Tok(), EOS, model.segment)
 
     async def collect():
         return [e async for e in run.stream()]
@@ -198,16 +201,8 @@ def test_the_stop_token_that_ends_a_segment_for_forced_tokens_is_not_output():
                 result.ff_tokens = [7]
             return result
 
-    rt = ControllerRuntime(FakeTokenizer(), {"late": LateForce}, None, Limits(step_s=1.0))
-    side, model = _Side(rt), _Model(rt, [5, 6])
-    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
-                          sampling=Sampling(max_tokens=4),
-                          controller=ControllerSpec(module="late", arg=""))
-    run = ControlledRun(req, [9], 4, side, _Tok(), EOS, model.segment)
-
-    async def collect():
-        return [e async for e in run.stream()]
-    events = asyncio.run(collect())
+    events, model, *_ = _run("", [5, 6], max_tokens=4, module="late",
+                             controllers={"late": LateForce}, prompt=[9])
     assert _tokens(events) == [(5, False), (7, True), (6, False), (5, False)]
     assert model.prompts == [[9], [9, 5, 7]]
     assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "egfe"
@@ -273,16 +268,8 @@ def test_a_controller_that_keeps_withdrawing_still_ends_at_four_times_the_budget
         def pre_process(self):
             return PreResult(backtrack=1, ff_tokens=[9]) if self.seen else PreResult()
 
-    rt = ControllerRuntime(FakeTokenizer(), {"undo": Undo}, None, Limits(step_s=1.0))
-    side, model = _Side(rt), _Model(rt, [5])
-    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
-                          sampling=Sampling(max_tokens=3),
-                          controller=ControllerSpec(module="undo", arg=""))
-    run = ControlledRun(req, [9], 3, side, _Tok(), EOS, model.segment)
-
-    async def collect():
-        return [e async for e in run.stream()]
-    events = asyncio.run(collect())
+    events, _, _, run = _run("", [5], max_tokens=3, module="undo", controllers={"undo": Undo},
+                             prompt=[9])
     final = events[-1]
     assert isinstance(final, FinalEvent) and final.finish_reason == "length"
     assert run.sampled + run.forced == 12 and len(run.out) < 3
@@ -309,17 +296,9 @@ def test_the_redact_example_withdraws_a_word_and_forces_its_replacement():
         def decode(self, tokens):
             return bytes(t - 1 for t in tokens if t)
 
-    rt = ControllerRuntime(Info(), {"redact": Redact}, None, Limits(step_s=1.0))
-    side, model = _Side(rt), _Model(rt, tok.encode(" Paris is big"), tok)
-    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
-                          sampling=Sampling(max_tokens=20),
-                          controller=ControllerSpec(module="redact", arg=json.dumps(
-                              {"words": ["Paris"], "replacement": "[X]"})))
-    run = ControlledRun(req, [1], 20, side, tok, EOS, model.segment)
-
-    async def collect():
-        return [e async for e in run.stream()]
-    events = asyncio.run(collect())
+    arg = json.dumps({"words": ["Paris"], "replacement": "[X]"})
+    events, _, _, run = _run(arg, tok.encode(" Paris is big"), max_tokens=20, module="redact",
+                             controllers={"redact": Redact}, prompt=[1], tok=tok, info=Info())
     backtracks = [e for e in events if isinstance(e, BacktrackEvent)]
     assert [(b.count, b.text) for b in backtracks] == [(5, "Paris")] * 2
     assert tok.decode(run.out) == " [X] is big [X] is b"  # 20 tokens; the model cycles
