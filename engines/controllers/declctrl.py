@@ -125,10 +125,12 @@ class DeclController(Controller):
     # --- phases ------------------------------------------------------------------------------
 
     def pre_process(self) -> PreResult:
-        step = self.step
-        if step.kind == "Stop":
-            return PreResult(num_forks=0)
-        if step.kind == "Fixed":
+        while True:
+            step = self.step
+            if step.kind == "Stop":
+                return PreResult(num_forks=0)
+            if step.kind != "Fixed":
+                break
             if self.forcing is not None:  # started by the model (its first token): the rest
                 return PreResult(ff_tokens=self.forcing[len(self.out) - self.start:])
             backtrack = self.withdraw
@@ -141,7 +143,9 @@ class DeclController(Controller):
             text = self._eval(step.spec["text"], b"").decode("utf-8", errors="replace")
             self.forcing = self.ctx.tokenizer.encode(text)
             self.withdraw = 0
-            return PreResult(backtrack=backtrack, ff_tokens=list(self.forcing))
+            if self.forcing or backtrack:
+                return PreResult(backtrack=backtrack, ff_tokens=list(self.forcing))
+            self._finish()  # empty text (an unset variable): nothing to force, next step
         if not self.entered:
             self._begin(len(self.out) - self.withdraw)
             self._enter(step)

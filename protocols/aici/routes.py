@@ -96,7 +96,10 @@ async def run(request: Request) -> StreamingResponse:
     name, engine = await _model(registry, body.model)
     info = await registry.info(name)
     if body.controller == "none":  # plain generation of controller_arg (EOS still ignored)
-        arg = controller_spec("none", body.controller_arg)
+        try:
+            arg = controller_spec("none", body.controller_arg)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
         text, controller = body.prompt + (arg.arg if arg else ""), None
     else:
         text, controller = body.prompt, await _controller(request, body, info)

@@ -197,6 +197,8 @@ async def test_splices_reach_the_stream(aici):
     (b'{"controller": "none", "controller_arg": "Hi", "max_tokens": 1000}', "context"),
     (b'{"controller": "gh:microsoft/aici/declctrl"}', "not downloaded"),
     (b'{"controller": "none", "model": "nope"}', "nope"),
+    (b'{"controller": "none", "controller_arg": 7}', "controller_arg"),
+    (b'{"controller": "fake-splice", "controller_arg": 7}', "controller_arg"),
 ])
 async def test_bad_runs_get_a_plain_text_api_error(aici, body, needle):
     r = await aici.post("/v1/run", content=body)

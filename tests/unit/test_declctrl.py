@@ -198,3 +198,10 @@ def test_malformed_programs_are_refused(tok, arg):
 def test_following_an_unknown_label_is_an_error(tok):
     with pytest.raises(ControllerError, match="no step labelled 'x'"):
         _Run(tok, [ast.fixed("a"), ast.fixed("b", following="x")]).go()
+
+
+def test_an_empty_fixed_text_is_skipped_without_taking_a_sampled_token(tok):
+    steps = [ast.fixed("a="), ast.fixed("{{unset}}", expand_vars=True),
+             ast.gen(rx=r"\d", max_tokens=1, set_var="d")]
+    run = _Run(tok, steps, "a=5")
+    assert run.go() == "a=5" and run.var("d") == "5"
