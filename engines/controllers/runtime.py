@@ -43,6 +43,7 @@ from engines.controllers.base import (
     Controller,
     ControllerContext,
     ControllerError,
+    PreResult,
     TokenizerInfo,
     Variables,
 )
@@ -74,8 +75,8 @@ def module_id_of(factory: ControllerFactory) -> str:
 
 
 class _Seq:
-    __slots__ = ("bound_to", "controller", "ctx", "failed", "forks", "last_pre", "need_pre",
-                 "req_id", "running", "stopped", "timeouts", "touched")
+    __slots__ = ("binds", "bound_to", "controller", "ctx", "failed", "forks", "last_pre",
+                 "need_pre", "req_id", "running", "stopped", "timeouts", "touched")
 
     def __init__(self, req_id: str, controller: Controller, ctx: ControllerContext,
                  forks: list[int]) -> None:
@@ -90,6 +91,7 @@ class _Seq:
         self.need_pre = True  # a post_process (or the start) since the last pre_process
         self.last_pre: dict | None = None  # that pre_process's result, until the next post
         self.bound_to: int | None = None  # the engine's sequence id while a segment runs
+        self.binds = 0  # segments the engine bound: the frontend checks its hook ran
         self.touched = time.monotonic()
 
 
@@ -169,7 +171,7 @@ class ControllerRuntime:
             tokens, backtrack = list(op.get("tokens") or []), int(op.get("backtrack") or 0)
             calls[seq_id] = (seq, functools.partial(seq.controller.post_process, tokens, backtrack))
         for seq_id, (_, error, micros) in self._run_post(calls).items():
-            seq = self._seqs[seq_id]
+            seq = calls[seq_id][0]  # the side thread may have released it meanwhile
             post[str(seq_id)] = _record(seq, None if error else {"stop": seq.stopped}, error,
                                         micros)
         pre: dict[str, dict] = {}
@@ -185,6 +187,7 @@ class ControllerRuntime:
                                                            f"{req_id!r} is already bound", 0)
                 else:
                     seq.bound_to = seq_id
+                    seq.binds += 1
                     seq.forks.append(seq_id)
                     self._seqs[seq_id] = seq
             # Only sequences the engine runs now; one the frontend is advancing is unbound.
@@ -193,7 +196,7 @@ class ControllerRuntime:
                      if seq.bound_to == seq_id and seq.need_pre
                      and not (seq.failed or seq.stopped)}
         for seq_id, (value, error, micros) in self._run_pre(calls).items():
-            seq = self._seqs[seq_id]
+            seq = calls[seq_id][0]
             pre[str(seq_id)] = _record(seq, None if error else value, error, micros)
         return {"post_seqs": post, "pre_seqs": pre}
 
@@ -223,7 +226,9 @@ class ControllerRuntime:
             seq = calls[key][0]
             seq.need_pre = False
             result = None
-            if not error:
+            if not error and not isinstance(value, PreResult):
+                error = seq.failed = f"pre_process returned {type(value).__name__}, not PreResult"
+            elif not error:
                 if not isinstance(value.backtrack, int) or value.backtrack < 0:
                     error = f"backtrack must be a count of tokens >= 0, got {value.backtrack!r}"
                     seq.failed = error
@@ -407,7 +412,7 @@ class ControllerRuntime:
             error = self._run_post({0: (seq, call)})[0][1]
         if not error and not seq.stopped and seq.need_pre:
             error = self._run_pre({0: (seq, seq.controller.pre_process)})[0][1]
-        state = {"stop": seq.stopped, "error": error or seq.failed,
+        state = {"stop": seq.stopped, "error": error or seq.failed, "binds": seq.binds,
                  "pre": None if seq.stopped or error else seq.last_pre}
         seq.ctx.drain()  # this call's entries are in the journal too
         logs, storage = seq.ctx.journal()  # since the last advance: the segment's steps too
@@ -437,7 +442,10 @@ class ControllerRuntime:
             if answer is not None and answer.get("type") == "ok" and request.get("advance"):
                 # Beyond the seed: the first ``advance`` in the same answer (one round trip
                 # less before a controlled request's prefill).
-                answer = self._advance({"req_id": request["req_id"], "tokens": []})
+                try:
+                    answer = self._advance({"req_id": request["req_id"], "tokens": []})
+                except Exception as exc:  # answered, so the frontend never waits out a timeout
+                    answer = error_reply(f"{type(exc).__name__}: {exc}")
             if answer is not None:
                 reply(answer)
 

@@ -96,6 +96,7 @@ class ControlledRun:
         self.logs: list[str] = []
         self.storage: list[dict] = []
         self.cached = 0  # prompt tokens from the prefix cache, over all segments
+        self.binds = 0  # segments the runtime saw the engine's hook bind
         self.carry = ""  # text of a dropped stop token's delta, for the next event
         self.pending: TokenEvent | None = None  # emitted once the next one is known
         self.started = time.monotonic()
@@ -121,6 +122,7 @@ class ControlledRun:
                                             backtrack=backtrack))
 
     def _state(self, state: dict) -> dict:
+        self.binds = state.get("binds", self.binds)
         self.logs.append(state.get("logs") or "")
         self.storage += state.get("storage") or []
         if state.get("error"):
@@ -188,6 +190,7 @@ class ControlledRun:
             binding = {"seq": next(_seq_ids), "req_id": self.req_id}
             last: TokenEvent | None = None
             ids = self.prompt_ids + self.out
+            binds = self.binds
             async for event in self.run_segment(ids, self.max_tokens - len(self.out), binding,
                                                 segment):
                 if isinstance(event, ErrorEvent):
@@ -213,6 +216,9 @@ class ControlledRun:
             if segment.finish == "stop" and last.token_id == self.eos:
                 # The hook's forced end, or an EOS the model sampled? The runtime knows.
                 state = await self._advance([])
+                if self.binds == binds:  # no hook step saw it: it ended every row, or is off
+                    raise _ControllerFailed("the engine's controller hook did not run this "
+                                            "request", "engine")
                 if _acts(state.get("pre")) and not state.get("stop"):
                     # ended for forced tokens: the stop token is not output
                     self.carry += _without(last.text, self._text([last.token_id]))

@@ -132,9 +132,12 @@ class ControllerLogitsProcessor(LogitsProcessor):
                              "controllers are not enabled on this engine")
         try:
             ending = self._step(logits)
-        except (ChannelError, RuntimeReplyError) as exc:
+        except ChannelError as exc:
             self._dead = f"controller runtime unreachable: {exc}"
             logger.error("%s; ending every controlled row", self._dead)
+            ending = set(self._rows)
+        except RuntimeReplyError as exc:  # this step failed; the runtime is still there
+            logger.error("controller runtime refused a step (%s); ending its rows", exc)
             ending = set(self._rows)
         return self._end(logits, sorted(ending), "")
 

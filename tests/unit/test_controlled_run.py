@@ -92,13 +92,13 @@ class _Model:
 
 
 def _run(arg, script, max_tokens=8, module="scripted", controllers=None, prompt=(9, 9),
-         tok=None, info=None, **request):
+         tok=None, info=None, model_cls=None, **request):
     """One controlled run; ``controllers`` (default: the scripted ones) by tag, ``tok`` the
     driver's and the stand-in model's tokenizer, ``info`` the controllers'."""
     controllers = controllers or {"scripted": Scripted, "boom": _FailsOnSecondToken,
                                   "backtrack": Backtracking}
     rt = ControllerRuntime(info or FakeTokenizer(), controllers, None, Limits(step_s=1.0))
-    side, model = _Side(rt), _Model(rt, script, tok)
+    side, model = _Side(rt), (model_cls or _Model)(rt, script, tok)
     req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
                           sampling=Sampling(max_tokens=max_tokens, **request.pop("sampling", {})),
                           controller=ControllerSpec(module=module, arg=arg), **request)
@@ -315,3 +315,15 @@ def test_logs_and_variables_from_the_engines_steps_reach_the_final_event():
     writes = [entry["WriteVar"] for entry in final.storage]
     assert [(w["name"], bytes.fromhex(w["value"]), w["op"]) for w in writes] == [
         ("v", bytes([5]), "Append"), ("v", bytes([6]), "Append"), ("v", bytes([7]), "Append")]
+
+
+def test_segments_the_hook_never_saw_fail_the_run_instead_of_looping():
+    class DeadHook(_Model):  # vLLM ends every row at once on its stop token, binding nothing
+        async def segment(self, ids, max_tokens, binding, seg: Segment):
+            self.prompts.append(list(ids))
+            seg.finish = "stop"
+            yield TokenEvent(token_id=EOS, text="", last=True)
+
+    events, model, *_ = _run("", [5], max_tokens=50, model_cls=DeadHook, prompt=[9])
+    assert isinstance(events[-1], ErrorEvent) and events[-1].kind == "engine"
+    assert "hook did not run" in events[-1].message and len(model.prompts) == 1
