@@ -41,6 +41,8 @@ __all__ = ["DeclController", "SEP"]
 
 SEP = "\uff0c".encode()  # AICI's list separator (FULLWIDTH COMMA)
 _KINDS = ("Fixed", "Gen", "Choose", "Stop", "Fork", "Wait")
+MAX_VALUE_BYTES = 1 << 20  # one expression's value (variables included)
+MAX_STEPS = 1000
 _WORD_END = re.compile(rb"\S\s")
 _TEMPLATE = re.compile(r"\$(\$|\{(\w+)\}|(\d+))")
 
@@ -65,6 +67,8 @@ def _parse(arg: str) -> list[_Step]:
     steps = program.get("steps") if isinstance(program, dict) else None
     if not isinstance(steps, list) or not steps:
         raise ControllerError('declctrl: controller_arg is {"steps": [<step>, ...]}')
+    if len(steps) > MAX_STEPS:
+        raise ControllerError(f"declctrl: more than {MAX_STEPS} steps")
     parsed = []
     for i, raw in enumerate(steps):
         where = f"step {i}"
@@ -117,6 +121,7 @@ class DeclController(Controller):
         self.forcing: list[int] | None = None  # a Fixed's tokens, until they come back
         self.matcher: llguidance.LLMatcher | None = None
         self._next_tokens: list[int] | None = None  # the next Fixed's, once asked for
+        self._compiled = self._compile_regexes()
 
     @property
     def step(self) -> _Step:
@@ -225,17 +230,26 @@ class DeclController(Controller):
                                          ensure_ascii=False) for o in options)
             self.matcher = self._matcher(llguidance.LLMatcher.grammar_from_lark("start: " + lark))
         elif step.spec.get("rx") is not None:
-            # The step's whole text matches: AICI anchors both ends.
-            rx = step.spec["rx"].removeprefix("^")
-            rx = rx[:-1] if rx.endswith("$") and not rx.endswith("\\$") else rx
-            self.matcher = self._matcher(llguidance.LLMatcher.grammar_from_regex(rx))
+            self.matcher = self._compiled.pop(self.idx)
 
-    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+    def _compile_regexes(self) -> dict[int, llguidance.LLMatcher]:
+        """Every Gen's regex, compiled while the controller is built (under the runtime's
+        init bound, not a step's)."""
+        compiled = {}
+        for i, step in enumerate(self.steps):
+            if step.kind == "Gen" and step.spec.get("rx") is not None:
+                # The step's whole text matches: AICI anchors both ends.
+                rx = step.spec["rx"].removeprefix("^")
+                rx = rx[:-1] if rx.endswith("$") and not rx.endswith("\\$") else rx
+                compiled[i] = self._matcher(llguidance.LLMatcher.grammar_from_regex(rx), i)
+        return compiled
+
+    def _matcher(self, grammar: str, index: int | None = None) -> llguidance.LLMatcher:
         tok = self.ctx.tokenizer.llg  # type: ignore[attr-defined]
-        error = llguidance.LLMatcher.validate_grammar(grammar, tok)
-        if error:
-            raise _fail(f"step {self.idx}", error)
-        return llguidance.LLMatcher(tok, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise _fail(f"step {self.idx if index is None else index}", matcher.get_error())
+        return matcher
 
     def _next_fixed(self) -> list[int] | None:
         """The tokens of the next step when it is a Fixed the model may start right here
@@ -272,8 +286,8 @@ class DeclController(Controller):
         done = done or (spec.get("max_bytes") and len(text) >= spec["max_bytes"])
         done = done or (spec.get("max_words") and
                         len(_WORD_END.findall(text)) >= spec["max_words"])
-        if not stop_at and self.matcher is not None and self.matcher.is_stopped():
-            done = True
+        if self.matcher is not None and self.matcher.is_stopped():
+            done = True  # nothing can follow (a stop string not seen yet never will be)
         if done:
             self._finish()
 
@@ -291,6 +305,12 @@ class DeclController(Controller):
     # --- expressions -------------------------------------------------------------------------
 
     def _eval(self, expr: Any, current: bytes) -> bytes:
+        value = self._value(expr, current)
+        if len(value) > MAX_VALUE_BYTES:  # Concat(Var x, Var x) doubles a variable per step
+            raise _fail(f"step {self.idx}", f"a value over {MAX_VALUE_BYTES} bytes")
+        return value
+
+    def _value(self, expr: Any, current: bytes) -> bytes:
         where = f"step {self.idx}"
         if not isinstance(expr, dict) or len(expr) != 1:
             raise _fail(where, f"not an expression: {expr!r}")
@@ -303,6 +323,8 @@ class DeclController(Controller):
             return current
         if kind == "Concat" and isinstance(spec.get("parts"), list):
             parts = [self._eval(p, current) for p in spec["parts"]]
+            if sum(map(len, parts)) > MAX_VALUE_BYTES:
+                raise _fail(f"step {self.idx}", f"a value over {MAX_VALUE_BYTES} bytes")
             return (SEP if spec.get("list") else b"").join(parts)
         if kind == "IfEq":
             same = self._eval(spec.get("a"), current) == self._eval(spec.get("b"), current)

@@ -156,15 +156,15 @@ class ControlledRun:
 
     async def _segments(self, state: dict) -> AsyncIterator[Event]:
         while True:
+            if state.get("stop"):  # before the budget: a stop on the last token is a stop
+                for event in self._finish("eos"):
+                    yield event
+                return
             # Withdrawn tokens make room again; a controller that keeps withdrawing what it
             # made still ends, at 4x the budget in tokens appended.
             if len(self.out) >= self.max_tokens or \
                     self.sampled + self.forced >= RUNAWAY_FACTOR * self.max_tokens:
                 for event in self._finish("length"):
-                    yield event
-                return
-            if state.get("stop"):
-                for event in self._finish("eos"):
                     yield event
                 return
             pre = state.get("pre") or {}
@@ -176,13 +176,11 @@ class ControlledRun:
             if backtrack:
                 for event in self._backtrack(backtrack):
                     yield event
-            if forced:
-                room = self.max_tokens - len(self.out)
-                for token_event in self._forced(forced[:room]):
+            if forced:  # cut at the budget; the controller still hears of what was appended
+                forced = forced[:self.max_tokens - len(self.out)]
+                for token_event in self._forced(forced):
                     for event in self._hold(token_event):
                         yield event
-                if len(forced) >= room:
-                    continue  # the budget check above ends the run
             if forced or backtrack:
                 state = await self._advance(forced, backtrack)
                 continue

@@ -327,3 +327,9 @@ def test_segments_the_hook_never_saw_fail_the_run_instead_of_looping():
     events, model, *_ = _run("", [5], max_tokens=50, model_cls=DeadHook, prompt=[9])
     assert isinstance(events[-1], ErrorEvent) and events[-1].kind == "engine"
     assert "hook did not run" in events[-1].message and len(model.prompts) == 1
+
+
+def test_forced_tokens_that_fill_the_budget_still_reach_the_controller_which_may_stop():
+    events, model, *_ = _run("ff=1,2 stop-after=2", [5], max_tokens=2)
+    assert _tokens(events) == [(1, True), (2, True)]
+    assert events[-1].finish_reason == "eos" and model.prompts == []

@@ -205,3 +205,17 @@ def test_an_empty_fixed_text_is_skipped_without_taking_a_sampled_token(tok):
              ast.gen(rx=r"\d", max_tokens=1, set_var="d")]
     run = _Run(tok, steps, "a=5")
     assert run.go() == "a=5" and run.var("d") == "5"
+
+
+def test_a_regex_and_a_stop_string_end_where_the_regex_can_take_nothing_more(tok):
+    steps = [ast.fixed("n="), ast.gen(rx=r"\d\d", stop_at="\n", set_var="n"), ast.fixed(".")]
+    run = _Run(tok, steps, "n=42 and more")
+    assert run.go() == "n=42." and run.var("n") == "42"
+
+
+def test_values_are_bounded(tok):
+    double = ast.stmt_set("x", ast.e_concat(ast.e_var("x"), ast.e_var("x"), ast.e_str("ab")))
+    steps = [ast.fixed("a", ), *[{"Fixed": {"text": {"String": {"str": ""}}, "stmts": [double]}}
+                                 for _ in range(25)]]
+    with pytest.raises(ControllerError, match="a value over"):
+        _Run(tok, steps).go()
