@@ -28,8 +28,10 @@ class _Tags:
 
 class SharedTagStore:
     def __init__(self, app_name: str) -> None:
+        # Restarted by Ray if its process dies (tags set since are then lost; calls retry).
         self._actor = _Tags.options(name=f"aici-tags-{app_name}", namespace=NAMESPACE,
-                                    lifetime="detached", get_if_exists=True).remote()
+                                    lifetime="detached", get_if_exists=True, max_restarts=-1,
+                                    max_task_retries=3).remote()
 
     async def tags(self) -> dict[str, dict]:
         return await self._actor.tags.remote()

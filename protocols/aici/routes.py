@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from protocols.aici.encode import RunMeta, run_objects, sse
 from protocols.aici.errors import APIError, from_event
 from protocols.aici.schemas import RunRequest, TagsRequest, decode
-from protocols.aici.tags import LocalTagStore, TagStore, check_tags, tag_info
+from protocols.aici.tags import MAX_USER_TAGS, LocalTagStore, TagStore, check_tags, tag_info
 from protocols.controllers import controller_spec
 from protocols.internal import (
     ControllerSpec,
@@ -148,15 +148,19 @@ async def set_tags(request: Request) -> dict:
     body = decode(await request.body(), TagsRequest)
     user = request.headers.get("x-user-id", "localhost")
     admin = request.headers.get("x-user-role", "admin") == "admin"
-    hosted = set((await _builtin_tags(request.app.state.registry)).values())
-    if body.module_id not in hosted:
+    builtin = await _builtin_tags(request.app.state.registry)
+    if body.module_id not in set(builtin.values()):
         raise APIError(400, f"unknown module_id {body.module_id!r}: tags name the module ids "
                             f"GET /v1/controllers/tags lists")
-    why = check_tags(body.tags, user, admin)
+    why = check_tags(body.tags, user, admin, set(builtin))
     if why is not None:
         raise APIError(400, why)  # AICI: a user error, permission included
+    store = _store(request)
+    known = await store.tags()
+    if len(known.keys() | set(body.tags)) > MAX_USER_TAGS:
+        raise APIError(400, f"at most {MAX_USER_TAGS} tags are kept; reuse a name")
     infos = [tag_info(tag, body.module_id, user) for tag in body.tags]
-    await _store(request).set(infos)
+    await store.set(infos)
     return {"tags": infos}
 
 

@@ -239,6 +239,9 @@ async def test_tags_list_set_and_resolve(aici, controlled):
     ({"module_id": FAKE_SPLICE_ID, "tags": []}, {}, "empty"),
     ({"module_id": FAKE_SPLICE_ID, "tags": ["a b"]}, {}, "invalid tag"),
     ({"module_id": FAKE_SPLICE_ID, "tags": ["ab" * 16]}, {}, "invalid tag"),
+    ({"module_id": FAKE_SPLICE_ID, "tags": ["alice.x\n"]}, {}, "invalid tag"),
+    ({"module_id": FAKE_SPLICE_ID, "tags": ["fake-splice"]}, {}, "built-in"),
+    ({"module_id": FAKE_SPLICE_ID, "tags": [f"t{i}" for i in range(17)]}, {}, "at most 16"),
 ])
 async def test_bad_tags_are_refused(aici, body, headers, needle):
     r = await aici.post("/v1/controllers/tags", json=body, headers=headers)
