@@ -34,6 +34,7 @@ from typing import Any
 
 import llguidance
 import numpy as np
+import re2
 
 from engines.controllers.base import Controller, ControllerContext, ControllerError, PreResult
 
@@ -331,9 +332,9 @@ class DeclController(Controller):
             return self._eval(spec.get("eq" if same else "neq"), current)
         if kind == "Extract" and isinstance(spec.get("rx"), str):
             source = self._eval(spec.get("from"), current)
-            try:
-                rx = re.compile(spec["rx"].encode())
-            except re.error as exc:
+            try:  # RE2: linear time, so a user's pattern cannot hold a runtime thread
+                rx = re2.compile(spec["rx"].encode())
+            except re2.error as exc:
                 raise _fail(where, f"Extract.rx: {exc}") from None
             template = str(spec.get("template", "$1"))
             found = [_expand(m, template) for m in rx.finditer(source)]
@@ -341,15 +342,19 @@ class DeclController(Controller):
         raise _fail(where, f"not an expression: {json.dumps(expr)[:200]}")
 
 
-def _expand(match: re.Match, template: str) -> bytes:
+def _expand(match: Any, template: str) -> bytes:
+    """AICI's (Rust's) ``$1`` / ``${name}`` / ``$$`` template over an RE2 match."""
     def group(m: re.Match) -> str:
         if m.group(1) == "$":
             return "$"
         key = m.group(2) or m.group(3)
-        try:
-            value = match.group(int(key) if key.isdigit() else key)
-        except IndexError:  # no such group: empty, as AICI's templates
-            value = None
+        value = None
+        for name in ((int(key),) if key.isdigit() else (key, key.encode())):
+            try:
+                value = match.group(name)
+                break
+            except IndexError:  # no such group: empty, as AICI's templates
+                continue
         return (value or b"").decode("utf-8", errors="surrogateescape")
     return _TEMPLATE.sub(group, template).encode("utf-8", errors="surrogateescape")
 

@@ -219,3 +219,16 @@ def test_values_are_bounded(tok):
                                  for _ in range(25)]]
     with pytest.raises(ControllerError, match="a value over"):
         _Run(tok, steps).go()
+
+
+def test_extract_runs_in_linear_time_and_reads_named_groups(tok):
+    import time
+
+    steps = [ast.fixed("x"), ast.gen(rx="y", max_tokens=1, stmts=[
+        ast.stmt_set("slow", ast.e_extract_one(r"(a+)+$", ast.e_str("a" * 40 + "b"))),
+        ast.stmt_set("named", ast.e_extract_one(r"(?P<d>\d)", ast.e_str("ab7"), "<${d}>"))])]
+    started = time.monotonic()
+    run = _Run(tok, steps, "xy")
+    run.go()
+    assert time.monotonic() - started < 5  # Python's re would take hours on that pattern
+    assert run.var("slow") == "" and run.var("named") == "<7>"
