@@ -32,9 +32,6 @@ class ProtocolSpec:
     # Probes that must answer without the gateway's API key (SageMaker's /ping).
     public_paths: frozenset[str] = frozenset()
 
-    def owns(self, path: str) -> bool:
-        return self.match(path) > 0
-
     def match(self, path: str) -> int:
         """How specifically this protocol owns ``path`` (0: not at all): an exact path beats
         any prefix, a longer prefix a shorter one (AICI's /v1/run inside OpenAI's /v1/)."""

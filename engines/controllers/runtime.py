@@ -533,33 +533,30 @@ def _record(seq: _Seq | None, result: Any, error: str, micros: int) -> dict:
             "micros": micros}
 
 
-def _pack_allowed(words: np.ndarray, allowed: np.ndarray) -> None:
-    """Write ``allowed`` (a bool per id, or llguidance's packed bitmask) as a bitmask row; ids
-    past it are banned."""
+def _as_words(allowed: np.ndarray) -> np.ndarray:
+    """A mask as ``mid_process`` returns it (a bool per id, or llguidance's packed ``int32``
+    bitmask: bit ``t % 32`` of word ``t // 32``) as little-endian ``uint32`` words; ids past
+    its end are banned (bool masks are padded with zero bits)."""
     allowed = np.asarray(allowed)
     if allowed.dtype == np.bool_:
         packed = np.packbits(allowed, bitorder="little")
-        packed = np.pad(packed, (0, (-len(packed)) % 4)).view("<u4")
-    elif allowed.dtype in (np.int32, np.uint32):
-        packed = allowed.astype("<u4", copy=False)
-    else:
-        raise TypeError(f"expected bool or int32 bitmask, got {allowed.dtype}")
+        return np.pad(packed, (0, (-len(packed)) % 4)).view("<u4")
+    if allowed.dtype in (np.int32, np.uint32):
+        return allowed.astype("<u4", copy=False)
+    raise TypeError(f"expected bool or int32 bitmask, got {allowed.dtype}")
+
+
+def _pack_allowed(words: np.ndarray, allowed: np.ndarray) -> None:
+    """Write ``allowed`` as a bitmask row (:func:`_as_words`)."""
+    packed = _as_words(allowed)
     n = min(len(packed), len(words))
     words[:n] = packed[:n]
     words[n:] = 0
 
 
 def _apply_allowed(row: np.ndarray, allowed: np.ndarray) -> None:
-    """Ban (``-inf``) every id ``allowed`` does not allow: a bool per id, or llguidance's
-    packed ``int32`` bitmask (bit ``t % 32`` of word ``t // 32``). Ids past it are banned."""
-    allowed = np.asarray(allowed)
-    if allowed.dtype == np.bool_:
-        bits = allowed
-    elif allowed.dtype in (np.int32, np.uint32):
-        bits = np.unpackbits(allowed.astype("<u4").view(np.uint8), bitorder="little")
-        bits = bits.astype(np.bool_)
-    else:
-        raise TypeError(f"expected bool or int32 bitmask, got {allowed.dtype}")
+    """Ban (``-inf``) every id ``allowed`` (:func:`_as_words`) does not allow in a dense row."""
+    bits = np.unpackbits(_as_words(allowed).view(np.uint8), bitorder="little").astype(np.bool_)
     n = min(len(bits), len(row))
     row[:n][~bits[:n]] = -np.inf
     row[n:] = -np.inf

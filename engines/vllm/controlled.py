@@ -34,7 +34,13 @@ from typing import Any
 
 import msgspec
 
-from engines.controllers.shm import ChannelError, ChannelFull, RuntimeReplyError, SideClient
+from engines.controllers.shm import (
+    ChannelError,
+    ChannelFull,
+    RuntimeReplyError,
+    SideClient,
+    wants_edit,
+)
 from protocols.internal import (
     BacktrackEvent,
     ErrorEvent,
@@ -62,7 +68,6 @@ class Segment:
 
     finish: str = ""  # vLLM's finish_reason: "stop" / "length" / "abort"
     stop_reason: str | int | None = None
-    cached_tokens: int = 0  # of the prompt, from vLLM's prefix cache
 
 
 class _ControllerFailed(Exception):
@@ -188,7 +193,7 @@ class ControlledRun:
             binding = {"seq": next(_seq_ids), "req_id": self.req_id}
             last: TokenEvent | None = None
             ids = self.prompt_ids + self.out
-            binds = self.binds
+            binds, cached = self.binds, 0
             async for event in self.run_segment(ids, self.max_tokens - len(self.out), binding,
                                                 segment):
                 if isinstance(event, ErrorEvent):
@@ -196,6 +201,8 @@ class ControlledRun:
                         yield out
                     yield event
                     return
+                if isinstance(event, FinalEvent):  # prompt tokens from vLLM's prefix cache
+                    cached = event.usage.cached_tokens
                 if not isinstance(event, TokenEvent):
                     continue
                 if event.last:  # the segment's last token: kept or dropped below
@@ -205,8 +212,8 @@ class ControlledRun:
                     yield out
             # resubmissions rely on the prefix cache (whole blocks: 128 tokens on CPUs)
             log.debug("%s: segment of %d prompt tokens, %d from the prefix cache", self.req_id,
-                      len(ids), segment.cached_tokens)
-            self.cached += segment.cached_tokens
+                      len(ids), cached)
+            self.cached += cached
             if last is None:  # ended without a token (aborted)
                 for event in self._finish("abort"):
                     yield event
@@ -217,7 +224,7 @@ class ControlledRun:
                 if self.binds == binds:  # no hook step saw it: it ended every row, or is off
                     raise _ControllerFailed("the engine's controller hook did not run this "
                                             "request", "engine")
-                if _acts(state.get("pre")) and not state.get("stop"):
+                if wants_edit(state.get("pre")) and not state.get("stop"):
                     # ended for forced tokens: the stop token is not output
                     self.carry += _without(last.text, self._text([last.token_id]))
                     continue
@@ -326,14 +333,6 @@ def refusal(request: GenerateRequest) -> ErrorEvent | None:
         why = "echo and prompt_logprobs cannot be combined with a controller on this engine"
         param = "prompt_logprobs" if out.prompt_logprobs is not None else "echo"
     return None if why is None else ErrorEvent(kind="validation", message=why, param=param)
-
-
-def _acts(pre: dict | None) -> bool:
-    """Whether a pending pre result asks for something that ended the segment."""
-    if not pre:
-        return False
-    return bool(pre.get("ff_tokens") or pre.get("backtrack") or pre.get("suspend")
-                or pre.get("num_forks", 1) != 1)
 
 
 def _without(text: str, suffix: str) -> str:

@@ -170,8 +170,6 @@ class VLLMEngine:
                 async for output in outputs:
                     if segment is not None and output.outputs:
                         choice = output.outputs[0]
-                        segment.cached_tokens = max(segment.cached_tokens,
-                                                    output.num_cached_tokens or 0)
                         if choice.finish_reason is not None:
                             segment.finish = choice.finish_reason
                             segment.stop_reason = choice.stop_reason
