@@ -24,7 +24,9 @@ class FakeTokenizer:
 
 class Scripted(Controller):
     """arg = JSON-free mini script: ``allow=5`` (only token 5), ``ff=1,2``, ``forks=2``,
-    ``stop-after=3``, ``slow-mid=0.2``, ``slow-post=0.2``, ``raise-mid``, ``var=x``."""
+    ``stop-after=3``, ``slow-mid=0.2``, ``slow-post=0.2``, ``raise-mid``, ``var=x``,
+    ``wait=x`` (suspended until variable ``x`` is set), ``branch-ff`` (after a fork, branch i
+    forces token 100 + i once)."""
 
     def __init__(self, ctx, arg, prompt):
         super().__init__(ctx, arg, prompt)
@@ -32,11 +34,20 @@ class Scripted(Controller):
         if "bad" in self.opts:
             raise ControllerError("bad program")
         self.seen: list[int] = []
-        self.forked = False
+        self.branch: int | None = None  # after a fork: which branch this is
+        self.branch_ff_done = False
+
+    def forked(self, index):
+        self.branch = index
 
     def pre_process(self):
+        if "wait" in self.opts and self.ctx.get_var(self.opts["wait"]) is None:
+            return PreResult(suspend=True)
+        if "branch-ff" in self.opts and self.branch is not None and not self.branch_ff_done:
+            self.branch_ff_done = True
+            return PreResult(ff_tokens=[100 + self.branch])
         ff = [int(t) for t in self.opts.get("ff", "").split(",") if t] if not self.seen else []
-        forks = int(self.opts.get("forks", 1)) if not self.seen and not self.forked else 1
+        forks = int(self.opts.get("forks", 1)) if not self.seen and self.branch is None else 1
         return PreResult(num_forks=forks, ff_tokens=ff)
 
     def mid_process(self):
@@ -60,11 +71,6 @@ class Scripted(Controller):
             self.ctx.set_var(self.opts["var"], bytes(tokens), append=True)
             self.ctx.log(f"wrote {tokens}")
         return len(self.seen) >= int(self.opts.get("stop-after", 10**9))
-
-    def fork(self, ctx):
-        twin = super().fork(ctx)
-        twin.forked = True
-        return twin
 
 
 class Backtracking(Scripted):

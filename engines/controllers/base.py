@@ -142,7 +142,13 @@ class Controller:
         return False
 
     def fork(self, ctx: ControllerContext) -> Controller:
-        """A copy for a new fork of this sequence, with the fork's context."""
+        """A copy for a new fork of this sequence, with the fork's context (``forked`` then
+        tells each copy, and the original, which branch it is)."""
         memo: dict[int, Any] = {id(self.ctx): ctx, id(self.ctx.variables): ctx.variables,
                                 id(self.ctx.tokenizer): ctx.tokenizer}
         return copy.deepcopy(self, memo)
+
+    def forked(self, index: int) -> None:
+        """This sequence is branch ``index`` of the fork its ``pre_process`` asked for (0: the
+        original sequence, 1..n-1: the new ones, in order). Called before the next
+        ``pre_process``, which every branch then runs."""

@@ -16,13 +16,18 @@ its test-suite), on this runtime's three phases:
   or a limit ends it.
 - ``Choose`` (``options``: a list expression): the text is one of the options.
 - ``Stop``, and the end of the steps: the controller stops.
+- ``Fork`` (``branches``: two or more non-empty step lists): the sequence forks into one per
+  branch; each runs its branch's steps, then the steps after the ``Fork``. A ``Gen`` or
+  ``Choose`` right before a ``Fork`` moves on to it as soon as it may end (AICI's greedy rule).
+- ``Wait`` (``vars``): the sequence is suspended until every listed variable is set (by any
+  fork of the request: they share their variables).
 - Expressions evaluate to bytes: ``String``, ``Var`` (unset: empty), ``Current`` (the step's
   own text, in ``stmts``), ``Concat`` (``list``: joined by AICI's separator U+FF0C),
   ``IfEq``, ``Extract`` (``$1``-style templates; ``list``: all matches).
 - ``Set`` statements run when their step ends; each write is a ``WriteVar`` storage entry.
 
-Refused with a clear error: ``Fork`` and ``Wait`` (forks do not run on the vllm engine yet),
-``inner``, ``yacc``. ``mask_tags`` and ``tag`` are accepted and have no effect (as in AICI).
+Refused with a clear error: ``inner``, ``yacc``. ``mask_tags`` and ``tag`` are accepted and have
+no effect (as in AICI).
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class _Step:
     spec: dict
     label: str | None = None
     stmts: list = field(default_factory=list)
+    uid: int = 0  # its place in the whole program (branches included): key of its regex
+    where: str = ""  # for errors: "step 2", "step 1.branch 0.step 1"
+    branches: list[list[_Step]] = field(default_factory=list)  # a Fork's
 
 
 def _fail(where: str, why: str) -> ControllerError:
@@ -68,18 +76,40 @@ def _parse(arg: str) -> list[_Step]:
     steps = program.get("steps") if isinstance(program, dict) else None
     if not isinstance(steps, list) or not steps:
         raise ControllerError('declctrl: controller_arg is {"steps": [<step>, ...]}')
-    if len(steps) > MAX_STEPS:
-        raise ControllerError(f"declctrl: more than {MAX_STEPS} steps")
+    return [*_parse_steps(steps, "step ", [0]), _Step("Stop", {}, uid=-1)]
+
+
+def _parse_steps(steps: list, where_prefix: str, count: list[int]) -> list[_Step]:
+    """``count``: steps parsed so far in the whole program (branches included), bounded."""
     parsed = []
     for i, raw in enumerate(steps):
-        where = f"step {i}"
+        where = f"{where_prefix}{i}"
+        count[0] += 1
+        if count[0] > MAX_STEPS:
+            raise ControllerError(f"declctrl: more than {MAX_STEPS} steps")
         if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in _KINDS:
             raise _fail(where, f"a step is one of {{{', '.join(_KINDS)}: {{...}}}}")
         kind, spec = next(iter(raw.items()))
         if not isinstance(spec, dict):
             raise _fail(where, f"{kind} takes an object")
-        if kind in ("Fork", "Wait"):
-            raise _fail(where, f"{kind} needs forks, which the vllm engine does not run yet")
+        step = _Step(kind, spec, spec.get("label"), uid=count[0], where=where)
+        if kind == "Fork":
+            branches = spec.get("branches")
+            if not isinstance(branches, list) or len(branches) < 2 or \
+                    not all(isinstance(b, list) and b for b in branches):
+                raise _fail(where, "Fork.branches is a list of two or more non-empty step "
+                                   "lists")
+            step.branches = [_parse_steps(b, f"{where}.branch {j}.step ", count)
+                             for j, b in enumerate(branches)]
+            parsed.append(step)
+            continue
+        if kind == "Wait":
+            names = spec.get("vars")
+            if not isinstance(names, list) or not names or \
+                    not all(isinstance(n, str) for n in names):
+                raise _fail(where, "Wait.vars is a non-empty list of variable names")
+            parsed.append(step)
+            continue
         if kind == "Gen":
             if spec.get("yacc") is not None:
                 raise _fail(where, "yacc grammars are not supported; use rx")
@@ -104,8 +134,9 @@ def _parse(arg: str) -> list[_Step]:
             raise _fail(where, 'stmts are [{"Set": {"var": <name>, "expr": <expression>}}]')
         if spec.get("following") is not None and kind != "Fixed":
             raise _fail(where, "only Fixed steps take 'following'")
-        parsed.append(_Step(kind, spec, spec.get("label"), stmts))
-    return [*parsed, _Step("Stop", {})]
+        step.stmts = stmts
+        parsed.append(step)
+    return parsed
 
 
 class DeclController(Controller):
@@ -128,6 +159,9 @@ class DeclController(Controller):
     def step(self) -> _Step:
         return self.steps[self.idx]
 
+    def _where(self) -> str:
+        return self.step.where or f"step {self.idx}"
+
     # --- phases ------------------------------------------------------------------------------
 
     def pre_process(self) -> PreResult:
@@ -135,6 +169,18 @@ class DeclController(Controller):
             step = self.step
             if step.kind == "Stop":
                 return PreResult(num_forks=0)
+            if step.kind in ("Fork", "Wait") and self.withdraw:  # the EOS that ended the step
+                backtrack, self.withdraw = self.withdraw, 0
+                return PreResult(backtrack=backtrack)
+            if step.kind == "Fork":
+                return PreResult(num_forks=len(step.branches))
+            if step.kind == "Wait":
+                missing = [n for n in step.spec["vars"] if self.ctx.get_var(n) is None]
+                if missing:
+                    return PreResult(suspend=True)
+                self._begin(len(self.out))
+                self._finish()
+                continue
             if step.kind != "Fixed":
                 break
             if self.forcing is not None:  # started by the model (its first token): the rest
@@ -143,7 +189,7 @@ class DeclController(Controller):
             following = step.spec.get("following")
             if following is not None:
                 if following not in self.labels:
-                    raise _fail(f"step {self.idx}", f"no step labelled {following!r} before it")
+                    raise _fail(self._where(), f"no step labelled {following!r} before it")
                 backtrack = len(self.out) - self.labels[following]
             self._begin(len(self.out) - backtrack)
             text = self._eval(step.spec["text"], b"").decode("utf-8", errors="replace")
@@ -158,7 +204,31 @@ class DeclController(Controller):
         if self.withdraw:  # the EOS that ended the previous step
             backtrack, self.withdraw = self.withdraw, 0
             return PreResult(backtrack=backtrack)
+        if self.steps[self.idx + 1].kind == "Fork" and self._may_end():
+            self._finish()  # AICI moves to a Fork as soon as the step before it may end
+            return self.pre_process()
         return PreResult()
+
+    def forked(self, index: int) -> None:
+        step = self.step
+        if step.kind != "Fork":
+            raise _fail(self._where(), "forked outside a Fork step")
+        self.ctx.log(f"fork: branch {index} of {len(step.branches)}")
+        self.steps[self.idx:self.idx + 1] = step.branches[index]
+        self.entered = False
+
+    def fork(self, ctx: ControllerContext) -> DeclController:
+        # llguidance's matchers are not deep-copyable: copied with their own deep_copy()
+        matcher, compiled = self.matcher, self._compiled
+        self.matcher, self._compiled = None, {}
+        try:
+            child = super().fork(ctx)
+        finally:
+            self.matcher, self._compiled = matcher, compiled
+        assert isinstance(child, DeclController)
+        child.matcher = matcher.deep_copy() if matcher is not None else None
+        child._compiled = {uid: m.deep_copy() for uid, m in compiled.items()}
+        return child
 
     def mid_process(self) -> np.ndarray | None:
         if self.step.kind not in ("Gen", "Choose"):
@@ -185,6 +255,9 @@ class DeclController(Controller):
         for token in tokens:
             if self.step.kind == "Stop":
                 break
+            if self.step.kind in ("Fork", "Wait"):  # not sampled for: kept, as AICI ignores it
+                self.out.append(token)
+                continue
             if self.step.kind == "Fixed":
                 self.out.append(token)
                 if len(self.out) - self.start >= len(self.forcing or ()):
@@ -226,30 +299,34 @@ class DeclController(Controller):
             if options and options[-1] == b"":
                 options.pop()
             if not options:
-                raise _fail(f"step {self.idx}", "Choose has no options")
+                raise _fail(self._where(), "Choose has no options")
             lark = " | ".join(json.dumps(o.decode("utf-8", errors="replace"),
                                          ensure_ascii=False) for o in options)
             self.matcher = self._matcher(llguidance.LLMatcher.grammar_from_lark("start: " + lark))
         elif step.spec.get("rx") is not None:
-            self.matcher = self._compiled.pop(self.idx)
+            self.matcher = self._compiled.pop(step.uid)
 
     def _compile_regexes(self) -> dict[int, llguidance.LLMatcher]:
         """Every Gen's regex, compiled while the controller is built (under the runtime's
         init bound, not a step's)."""
         compiled = {}
-        for i, step in enumerate(self.steps):
+        pending = list(self.steps)
+        while pending:
+            step = pending.pop()
+            pending.extend(s for branch in step.branches for s in branch)
             if step.kind == "Gen" and step.spec.get("rx") is not None:
                 # The step's whole text matches: AICI anchors both ends.
                 rx = step.spec["rx"].removeprefix("^")
                 rx = rx[:-1] if rx.endswith("$") and not rx.endswith("\\$") else rx
-                compiled[i] = self._matcher(llguidance.LLMatcher.grammar_from_regex(rx), i)
+                compiled[step.uid] = self._matcher(llguidance.LLMatcher.grammar_from_regex(rx),
+                                                   step.where)
         return compiled
 
-    def _matcher(self, grammar: str, index: int | None = None) -> llguidance.LLMatcher:
+    def _matcher(self, grammar: str, where: str | None = None) -> llguidance.LLMatcher:
         tok = self.ctx.tokenizer.llg  # type: ignore[attr-defined]
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
-            raise _fail(f"step {self.idx if index is None else index}", matcher.get_error())
+            raise _fail(where or self._where(), matcher.get_error())
         return matcher
 
     def _next_fixed(self) -> list[int] | None:
@@ -277,7 +354,7 @@ class DeclController(Controller):
 
     def _advance_gen(self, token: int) -> None:
         if self.matcher is not None and not self.matcher.consume_token(token):
-            raise _fail(f"step {self.idx}", f"token {token} outside the step's constraint: "
+            raise _fail(self._where(), f"token {token} outside the step's constraint: "
                                             f"{self.matcher.get_error()}")
         spec, text = self.step.spec, self._text()
         stop_at = spec.get("stop_at")
@@ -308,11 +385,11 @@ class DeclController(Controller):
     def _eval(self, expr: Any, current: bytes) -> bytes:
         value = self._value(expr, current)
         if len(value) > MAX_VALUE_BYTES:  # Concat(Var x, Var x) doubles a variable per step
-            raise _fail(f"step {self.idx}", f"a value over {MAX_VALUE_BYTES} bytes")
+            raise _fail(self._where(), f"a value over {MAX_VALUE_BYTES} bytes")
         return value
 
     def _value(self, expr: Any, current: bytes) -> bytes:
-        where = f"step {self.idx}"
+        where = self._where()
         if not isinstance(expr, dict) or len(expr) != 1:
             raise _fail(where, f"not an expression: {expr!r}")
         kind, spec = next(iter(expr.items()))
@@ -325,7 +402,7 @@ class DeclController(Controller):
         if kind == "Concat" and isinstance(spec.get("parts"), list):
             parts = [self._eval(p, current) for p in spec["parts"]]
             if sum(map(len, parts)) > MAX_VALUE_BYTES:
-                raise _fail(f"step {self.idx}", f"a value over {MAX_VALUE_BYTES} bytes")
+                raise _fail(self._where(), f"a value over {MAX_VALUE_BYTES} bytes")
             return (SEP if spec.get("list") else b"").join(parts)
         if kind == "IfEq":
             same = self._eval(spec.get("a"), current) == self._eval(spec.get("b"), current)

@@ -75,15 +75,18 @@ def module_id_of(factory: ControllerFactory) -> str:
 
 
 class _Seq:
-    __slots__ = ("binds", "bound_to", "controller", "ctx", "failed", "forks", "last_pre",
-                 "need_pre", "req_id", "running", "stopped", "timeouts", "touched")
+    __slots__ = ("binds", "bound_to", "controller", "ctx", "failed", "family", "forks",
+                 "last_pre", "need_pre", "req_id", "running", "stopped", "timeouts", "touched")
 
     def __init__(self, req_id: str, controller: Controller, ctx: ControllerContext,
-                 forks: list[int]) -> None:
+                 forks: list[int], family: set[str] | None = None) -> None:
         self.req_id = req_id
         self.controller = controller
         self.ctx = ctx
         self.forks = forks  # ids of the request's live sequences, shared by its forks
+        # req_ids of the request's live controllers (the frontend's forks, ``fork`` side op),
+        # shared by them: the fork limit counts these too
+        self.family = family if family is not None else {req_id}
         self.running: Future | None = None
         self.timeouts = 0
         self.failed = ""
@@ -191,9 +194,11 @@ class ControllerRuntime:
                     seq.forks.append(seq_id)
                     self._seqs[seq_id] = seq
             # Only sequences the engine runs now; one the frontend is advancing is unbound.
+            # A suspended sequence asks again every step (a sibling may have set what it
+            # waits for); it was not scheduled, so no post_process made a pre due.
             calls = {seq_id: (seq, seq.controller.pre_process)
                      for seq_id, seq in self._seqs.items()
-                     if seq.bound_to == seq_id and seq.need_pre
+                     if seq.bound_to == seq_id and (seq.need_pre or _suspended(seq))
                      and not (seq.failed or seq.stopped)}
         for seq_id, (value, error, micros) in self._run_pre(calls).items():
             seq = calls[seq_id][0]
@@ -232,10 +237,10 @@ class ControllerRuntime:
                 if not isinstance(value.backtrack, int) or value.backtrack < 0:
                     error = f"backtrack must be a count of tokens >= 0, got {value.backtrack!r}"
                     seq.failed = error
-                elif value.num_forks > 1 and len(seq.forks) - 1 + value.num_forks > \
+                elif value.num_forks > 1 and _live_forks(seq) - 1 + value.num_forks > \
                         self.limits.max_forks:
-                    error = (f"{len(seq.forks) - 1 + value.num_forks} forks exceed the limit of "
-                             f"{self.limits.max_forks} per request")
+                    error = (f"{_live_forks(seq) - 1 + value.num_forks} forks exceed the limit "
+                             f"of {self.limits.max_forks} per request")
                     seq.failed = error
                 else:
                     result = value.to_json()
@@ -254,6 +259,7 @@ class ControllerRuntime:
         apply = _pack_allowed if bits else _apply_allowed
         seqs: dict[str, dict] = {}
         calls = {}
+        clones: dict[int, int] = {}  # parent id → branches made of it in this call
         for i, op in enumerate(ops):
             seq_id, clone_id = int(op["id"]), op.get("clone_id")
             if clone_id is not None and seq_id not in self._seqs:
@@ -262,10 +268,15 @@ class ControllerRuntime:
                     seqs[str(seq_id)] = _record(None, None, f"unknown parent {clone_id}", 0)
                     continue
                 ctx = parent.ctx.forked()
-                child = _Seq(parent.req_id, parent.controller.fork(ctx), ctx, parent.forks)
+                child = _Seq(parent.req_id, parent.controller.fork(ctx), ctx, parent.forks,
+                             parent.family)
                 child.bound_to = seq_id
                 parent.forks.append(seq_id)
                 self._seqs[seq_id] = child
+                clones[int(clone_id)] = clones.get(int(clone_id), 0) + 1
+                if clones[int(clone_id)] == 1:
+                    _tell_branch(parent, 0)
+                _tell_branch(child, clones[int(clone_id)])
             seq = self._seqs.get(seq_id)
             if seq is None:
                 seqs[str(seq_id)] = _record(None, None, f"unknown sequence {seq_id}", 0)
@@ -346,9 +357,10 @@ class ControllerRuntime:
             reply(ok_reply({"tags": tags}))
         elif op == "set_tags":
             reply(self._set_tags(request, auth))
-        elif op in ("advance", "release"):
-            self._side_pool.submit(self._answer, reply, self._advance if op == "advance"
-                                   else self._release, request)
+        elif op in ("advance", "release", "fork"):
+            handler = {"advance": self._advance, "release": self._release,
+                       "fork": self._fork}[op]
+            self._side_pool.submit(self._answer, reply, handler, request)
         elif op == "mk_module":
             reply(error_reply("uploading Wasm modules is not supported by this runtime; use "
                               f"one of the built-in controllers ({', '.join(self._tags)})",
@@ -407,6 +419,8 @@ class ControllerRuntime:
             # from here its steps leave this controller alone.
             self._unbind(seq, seq.bound_to)
         error = seq.failed
+        if _suspended(seq):  # asked again: what it waits for may have come meanwhile
+            seq.need_pre = True
         if not error and not seq.stopped and (tokens or backtrack):
             call = functools.partial(seq.controller.post_process, list(tokens), backtrack)
             error = self._run_post({0: (seq, call)})[0][1]
@@ -423,7 +437,45 @@ class ControllerRuntime:
         with self._lock:
             seq = self._live.pop(req_id, None) if isinstance(req_id, str) else None
             self._unbind(seq, seq.bound_to if seq is not None else None)
+            if seq is not None:
+                seq.family.discard(seq.req_id)
         return ok_reply({"released": seq is not None})
+
+    def _fork(self, request: dict) -> dict:
+        """Beyond the seed, for engines that fork outside the engine (the frontend runs each
+        branch as its own sequence): the controller whose pending pre result asked for
+        ``num_forks = n`` is copied under the ``n - 1`` req_ids in ``into`` (branches 1..n-1;
+        it stays branch 0). The copies share its variables; every branch owes a pre_process,
+        which its next ``advance`` runs."""
+        seq = self._controller(request)
+        if isinstance(seq, dict):
+            return seq
+        into = request.get("into")
+        if not isinstance(into, list) or not into or \
+                not all(isinstance(r, str) and r for r in into) or len(set(into)) != len(into):
+            return error_reply("'into' is a list of distinct new req_ids", is_user_error=True)
+        asked = (seq.last_pre or {}).get("num_forks", 1)
+        if seq.failed or seq.stopped or asked != len(into) + 1:
+            return error_reply(f"controller {seq.req_id!r} did not ask for {len(into) + 1} "
+                               f"forks", is_user_error=True)
+        with self._lock:
+            if any(r in self._live for r in into):
+                return error_reply("a req_id in 'into' is already instantiated",
+                                   is_user_error=True)
+            if len(self._live) + len(into) > self.limits.max_pending:
+                return error_reply("too many live controllers; retry later")
+        children = []
+        for req_id in into:
+            ctx = seq.ctx.forked()
+            children.append(_Seq(req_id, seq.controller.fork(ctx), ctx, seq.forks, seq.family))
+        for index, branch in enumerate([seq, *children]):
+            _tell_branch(branch, index)
+            branch.need_pre, branch.last_pre = True, None
+        with self._lock:
+            for child in children:
+                self._live[child.req_id] = child
+                seq.family.add(child.req_id)
+        return ok_reply({"forks": into})
 
     def _start_instantiate(self, request: dict, reply: Callable[[dict], None]) -> None:
         """Answer with the controller built, or with a timeout after ``Limits.init_s``,
@@ -505,6 +557,23 @@ class ControllerRuntime:
         except Exception as exc:  # a controller's own failure: the request fails, not us
             return error_reply(f"{type(exc).__name__}: {exc}")
         return _Seq(req_id, controller, ctx, [])
+
+
+def _suspended(seq: _Seq) -> bool:
+    return bool((seq.last_pre or {}).get("suspend"))
+
+
+def _live_forks(seq: _Seq) -> int:
+    """The request's live sequences: the engine's (seed forks) or the frontend's."""
+    return max(len(seq.forks), len(seq.family))
+
+
+def _tell_branch(seq: _Seq, index: int) -> None:
+    """``Controller.forked``; a controller that fails at it fails its own branch only."""
+    try:
+        seq.controller.forked(index)
+    except Exception as exc:
+        seq.failed = f"{type(exc).__name__}: {exc}"
 
 
 _DEFAULTS = frozenset({Controller.pre_process, Controller.mid_process, Controller.post_process})

@@ -472,3 +472,64 @@ def test_instantiate_with_advance_answers_the_first_pre_process_in_the_same_roun
     bad = _side(rt, {"op": "instantiate", "$rid": "r", "req_id": "run-y", "prompt": [1],
                      "module_id": "nope", "module_arg": "", "advance": True})
     assert bad["type"] == "error" and "unknown controller" in bad["error"]
+
+
+# --- forks run by the frontend: the fork side op, suspend between segments ------------------
+
+def _fork(rt, req_id, into):
+    return _side(rt, {"op": "fork", "$rid": "f", "req_id": req_id, "into": list(into)})
+
+
+def test_fork_copies_the_controller_under_new_req_ids_that_share_its_variables():
+    rt = _runtime(max_forks=3)
+    _instantiate(rt, "run-p", "forks=3 var=v branch-ff")
+    assert _advance(rt, "run-p")["pre"]["num_forks"] == 3
+    answer = _fork(rt, "run-p", ["run-p.1", "run-p.2"])
+    assert answer["type"] == "ok" and answer["data"] == {"forks": ["run-p.1", "run-p.2"]}
+    # every branch knows which it is and owes a pre_process: branch i forces 100 + i
+    for i, req_id in enumerate(["run-p", "run-p.1", "run-p.2"]):
+        assert _advance(rt, req_id)["pre"]["ff_tokens"] == [100 + i]
+    _advance(rt, "run-p.1", [7])
+    assert rt._live["run-p"].ctx.get_var("v") == bytes([7])  # one variable store per request
+    assert rt._live["run-p"].family == {"run-p", "run-p.1", "run-p.2"}
+    _side(rt, {"op": "release", "$rid": "r", "req_id": "run-p.2"})
+    assert rt._live["run-p"].family == {"run-p", "run-p.1"}
+
+
+def test_fork_is_refused_unless_the_controller_asked_for_exactly_that_many():
+    rt = _runtime(max_forks=2)
+    _instantiate(rt, "run-q", "forks=2")
+    for into, why in ([["run-q.1", "run-q.2"], "did not ask for 3 forks"],
+                      [[], "'into'"], [["run-q.1", "run-q.1"], "'into'"],
+                      [["run-q"], "already instantiated"]):
+        _advance(rt, "run-q")
+        answer = _fork(rt, "run-q", into)
+        assert answer["type"] == "error" and why in answer["error"], (into, answer)
+    plain = _instantiate(rt, "run-r", "") and _advance(rt, "run-r")
+    assert plain["pre"]["num_forks"] == 1
+    assert "did not ask" in _fork(rt, "run-r", ["run-r.1"])["error"]
+    # the limit counts the frontend's forks of the request
+    _instantiate(rt, "run-m", "forks=3")
+    assert "exceed the limit of 2" in _advance(rt, "run-m")["error"]
+
+
+def test_a_suspended_controller_is_asked_again_by_the_next_advance():
+    rt = _runtime()
+    _instantiate(rt, "run-w", "wait=go")
+    assert _advance(rt, "run-w")["pre"]["suspend"] is True
+    assert _advance(rt, "run-w")["pre"]["suspend"] is True
+    rt._live["run-w"].ctx.variables.write("go", b"1", append=False)  # as a sibling would
+    assert _advance(rt, "run-w")["pre"]["suspend"] is False
+
+
+def test_a_suspended_sequence_in_the_engine_is_asked_again_every_step():
+    """The seed's engine path: a suspended sequence is not scheduled (no post), yet its pre
+    phase runs each step until it may run."""
+    rt = _runtime()
+    _instantiate(rt, "run-e", "wait=go")
+    first = _step(rt, pre_ops=[{"id": 3, "req_id": "run-e"}])
+    assert first["pre_seqs"]["3"]["result"]["suspend"] is True
+    assert _step(rt)["pre_seqs"]["3"]["result"]["suspend"] is True
+    rt._seqs[3].ctx.variables.write("go", b"1", append=False)
+    assert _step(rt)["pre_seqs"]["3"]["result"]["suspend"] is False
+    assert "3" not in _step(rt)["pre_seqs"]  # no longer owed until a post

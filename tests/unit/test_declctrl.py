@@ -59,21 +59,34 @@ class _Run:
     def go(self, limit: int = 200) -> str:
         while len(self.out) < limit:
             pre = self.ctrl.pre_process()
-            if pre.num_forks == 0:
-                break
-            if pre.backtrack or pre.ff_tokens:
-                if pre.backtrack:
-                    self.backtracks.append(pre.backtrack)
-                    del self.out[len(self.out) - pre.backtrack:]
-                self.out += pre.ff_tokens
-                if self.ctrl.post_process(list(pre.ff_tokens), pre.backtrack):
-                    break
-                continue
-            token = self._sample()
-            self.out.append(token)
-            if self.ctrl.post_process([token], 0):
+            assert pre.num_forks <= 1 and not pre.suspend, "use _Forks"
+            if self.step(pre):
                 break
         return self.text
+
+    def step(self, pre) -> bool:
+        """Carry out one pre result (not a fork or a suspend); True once stopped."""
+        if pre.num_forks == 0:
+            return True
+        if pre.backtrack or pre.ff_tokens:
+            if pre.backtrack:
+                self.backtracks.append(pre.backtrack)
+                del self.out[len(self.out) - pre.backtrack:]
+            self.out += pre.ff_tokens
+            return self.ctrl.post_process(list(pre.ff_tokens), pre.backtrack)
+        token = self._sample()
+        self.out.append(token)
+        return self.ctrl.post_process([token], 0)
+
+    def fork(self) -> _Run:
+        child = object.__new__(_Run)
+        child.tok, child.scripts = self.tok, self.scripts
+        child.ctx = self.ctx.forked()
+        child.ctrl = self.ctrl.fork(child.ctx)
+        child.out, child.backtracks = list(self.out), []
+        return child
+
+
 
     @property
     def text(self) -> str:
@@ -81,6 +94,46 @@ class _Run:
 
     def var(self, name: str) -> str:
         return (self.ctx.get_var(name) or b"").decode()
+
+
+class _Forks:
+    """The stand-in engine for forks: every live branch takes a step in turn (as the seed's
+    engine runs every non-suspended sequence each step); a fork's copies are told their branch
+    index (the original is branch 0); it ends when every branch stopped, or in a deadlock
+    when every live one is suspended."""
+
+    def __init__(self, tok, steps, *scripts: str):
+        self.runs = [_Run(tok, steps, *scripts)]
+        self.deadlock = False
+
+    def go(self, limit: int = 200) -> list[str]:
+        done: set[int] = set()
+        for _ in range(limit):
+            live = [i for i in range(len(self.runs)) if i not in done]
+            if not live:
+                break
+            moved = False
+            for i in live:
+                run = self.runs[i]
+                pre = run.ctrl.pre_process()
+                if pre.suspend:
+                    continue
+                moved = True
+                if pre.num_forks > 1:
+                    children = [run.fork() for _ in range(pre.num_forks - 1)]
+                    for index, branch in enumerate([run, *children]):
+                        branch.ctrl.forked(index)
+                    self.runs += children
+                elif run.step(pre):
+                    done.add(i)
+            if not moved:
+                self.deadlock = True
+                break
+        return [run.text for run in self.runs]
+
+    @property
+    def ctx(self) -> ControllerContext:
+        return self.runs[0].ctx
 
 
 def test_fixed_then_gen_with_limits(tok):
@@ -176,8 +229,10 @@ def test_expressions_and_statements(tok):
 
 
 @pytest.mark.parametrize(("steps", "needle"), [
-    ([ast.fork([ast.fixed("a")], [ast.fixed("b")])], "Fork needs forks"),
-    ([ast.wait_vars("x")], "Wait needs forks"),
+    ([ast.fork([ast.fixed("a")])], "two or more non-empty"),
+    ([ast.fork([ast.fixed("a")], [])], "two or more non-empty"),
+    ([ast.wait_vars()], "Wait.vars"),
+    ([ast.fork([ast.gen(rx="(")], [ast.fixed("b")])], "step 0.branch 0.step 0"),
     ([ast.gen(yacc="x: 'a';")], "yacc"),
     ([ast.gen(inner={"<city>": ast.e_str("a")})], "inner"),
     ([{"Gen": {"max_tokens": 0}}], "max_tokens"),
@@ -232,3 +287,63 @@ def test_extract_runs_in_linear_time_and_reads_named_groups(tok):
     run.go()
     assert time.monotonic() - started < 5  # Python's re would take hours on that pattern
     assert run.var("slow") == "" and run.var("named") == "<7>"
+
+
+# --- Fork and Wait ----------------------------------------------------------------------------
+
+def test_fork_runs_each_branch_then_the_steps_after_it_in_every_branch(tok):
+    """AICI's fork_1, plus a step after the Fork."""
+    steps = [ast.fixed("The word 'hello' in"),
+             ast.fork([ast.fixed(" French is"), ast.gen(max_tokens=5, set_var="fr")],
+                      [ast.fixed(" Spanish is"), ast.gen(max_tokens=5, set_var="es")]),
+             ast.fixed(".")]
+    forks = _Forks(tok, steps, "The word 'hello' in French is bonjour",
+                   "The word 'hello' in Spanish is hola")
+    texts = forks.go()
+    assert texts == ["The word 'hello' in French is bonjour.",
+                     "The word 'hello' in Spanish is hola."], texts
+    assert not forks.deadlock
+    # the forks share their variables
+    assert forks.ctx.get_var("fr") == b" bonjour" and forks.ctx.get_var("es") == b" hola"
+
+
+def test_wait_suspends_until_a_sibling_sets_the_variable(tok):
+    """AICI's wait_1: branch 0 waits for what branch 1 generates, then uses it."""
+    steps = [ast.fixed("The word 'hello' in"),
+             ast.fork([ast.fixed("\n"), ast.wait_vars("french"),
+                       ast.fixed("French:{{french}}", expand_vars=True)],
+                      [ast.fixed(" French is"), ast.gen(rx=r" '[^']*'", set_var="french")])]
+    forks = _Forks(tok, steps, "The word 'hello' in French is 'bonjour'")
+    texts = forks.go()
+    assert texts == ["The word 'hello' in\nFrench: 'bonjour'",
+                     "The word 'hello' in French is 'bonjour'"], texts
+    assert not forks.deadlock
+
+
+def test_a_wait_nobody_can_satisfy_is_a_deadlock(tok):
+    forks = _Forks(tok, [ast.fixed("a"), ast.fork([ast.wait_vars("x")], [ast.wait_vars("y")])])
+    forks.go()
+    assert forks.deadlock
+
+
+def test_a_gen_before_a_fork_moves_on_to_it_as_soon_as_it_may_end(tok):
+    """AICI's greedy rule: a Gen without a stop string that may end forks right away."""
+    steps = [ast.gen(max_tokens=5), ast.fork([ast.fixed(" A")], [ast.fixed(" B")])]
+    forks = _Forks(tok, steps, "Hello world")
+    texts = forks.go()
+    assert texts == ["Hello A", "Hello B"], texts
+
+
+def test_forks_have_their_own_regex_state(tok):
+    """A regex step after the Fork runs in each branch on its own matcher (llguidance's are
+    copied, not shared)."""
+    steps = [ast.fixed("n="), ast.fork([ast.fixed("1")], [ast.fixed("2")]),
+             ast.gen(rx=r"[0-9]{2}", set_var="n")]
+    forks = _Forks(tok, steps, "n=123", "n=245")
+    assert forks.go() == ["n=123", "n=245"]
+
+
+def test_forked_outside_a_fork_is_an_error(tok):
+    run = _Run(tok, [ast.fixed("a")])
+    with pytest.raises(ControllerError, match="outside a Fork"):
+        run.ctrl.forked(1)
