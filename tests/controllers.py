@@ -25,7 +25,8 @@ class FakeTokenizer:
 class Scripted(Controller):
     """arg = JSON-free mini script: ``allow=5`` (only token 5), ``ff=1,2``, ``forks=2``,
     ``stop-after=3``, ``slow-mid=0.2``, ``slow-post=0.2``, ``raise-mid``, ``var=x``,
-    ``wait=x`` (suspended until variable ``x`` is set), ``branch-ff`` (after a fork, branch i
+    ``wait=x`` (suspended until variable ``x`` is set; with ``wait-branch=i`` only branch i of a
+    fork waits), ``branch-ff`` (after a fork, branch i
     forces token 100 + i once)."""
 
     def __init__(self, ctx, arg, prompt):
@@ -41,7 +42,8 @@ class Scripted(Controller):
         self.branch = index
 
     def pre_process(self):
-        if "wait" in self.opts and self.ctx.get_var(self.opts["wait"]) is None:
+        waits = "wait-branch" not in self.opts or self.branch == int(self.opts["wait-branch"])
+        if "wait" in self.opts and waits and self.ctx.get_var(self.opts["wait"]) is None:
             return PreResult(suspend=True)
         if "branch-ff" in self.opts and self.branch is not None and not self.branch_ff_done:
             self.branch_ff_done = True

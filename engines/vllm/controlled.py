@@ -16,19 +16,29 @@ is an ordinary token to a controller, as in AICI, where only the controller or t
 ends generation.
 
 What the controller logged and stored, in the engine's steps too, reaches the driver with each
-``advance`` and goes out on the ``FinalEvent``. Not yet: fork and suspend (the request ends with
-an error saying so).
+``advance`` and goes out on the ``FinalEvent``.
+
+Forks: a pre result with ``num_forks = n`` makes ``n - 1`` copies of the branch (the runtime's
+``fork`` side op copies the controller; here the output so far), announced by ``ForkEvent`` s
+before any event of theirs; every branch is a choice of its own (``index``) and runs its own
+segments. Once a run has forked, its branches run as tasks feeding one bounded queue (the
+runtime bounds the forks per request). A suspended branch waits until a sibling reports
+variables written or ends (or a short poll: a sibling's engine steps may write one mid-segment),
+then asks again; when every live branch is suspended the run ends (AICI's ``deadlock``). An
+error in any branch ends the whole stream (the event contract's one ``ErrorEvent``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +58,7 @@ from protocols.internal import (
     Event,
     FinalEvent,
     FinishReason,
+    ForkEvent,
     GenerateRequest,
     Timings,
     TokenEvent,
@@ -59,6 +70,9 @@ __all__ = ["ControlledRun", "Segment", "refusal"]
 log = logging.getLogger(__name__)
 SIDE_TIMEOUT_S = 10.0
 RUNAWAY_FACTOR = 4
+WAIT_POLL_S = 0.25  # a suspended branch asks again at least this often
+QUEUE_EVENTS = 64  # events buffered from a forked run's branches
+DEADLOCK = "deadlock"  # ErrorEvent.param when every branch is suspended (AICI's finish reason)
 _seq_ids = itertools.count(1)
 
 
@@ -71,9 +85,32 @@ class Segment:
 
 
 class _ControllerFailed(Exception):
-    def __init__(self, message: str, kind: ErrorKind) -> None:
+    def __init__(self, message: str, kind: ErrorKind, param: str = "controller") -> None:
         super().__init__(message)
         self.kind = kind
+        self.param = param
+
+
+class _Family:
+    """What a run's branches share: how many are live, which wait, and a version bumped when
+    a branch reports written variables or ends (waiting branches then ask again)."""
+
+    def __init__(self) -> None:
+        self.live = 1
+        self.version = 0
+        self.waiting: set[int] = set()  # branch indices asleep in _wait since the last bump
+        self.changed = asyncio.Event()
+        self.indices = itertools.count(1)
+        self.ready: dict[int, tuple[ControlledRun, dict | None]] = {}  # forked, not started
+
+    def bump(self) -> None:
+        self.version += 1
+        self.waiting.clear()
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+_DONE = object()
 
 
 class ControlledRun:
@@ -106,6 +143,9 @@ class ControlledRun:
         self.pending: TokenEvent | None = None  # emitted once the next one is known
         self.started = time.monotonic()
         self.first_token: float | None = None
+        self.index = 0  # the choice this branch is (0: the request's own sequence)
+        self.family = _Family()
+        self.asked_at = 0  # family.version when the last advance was sent
 
     async def _side(self, op: str, **fields: Any) -> dict:
         try:
@@ -123,6 +163,7 @@ class ControlledRun:
             raise _ControllerFailed("controller runtime unreachable", "engine") from None
 
     async def _advance(self, tokens: list[int], backtrack: int = 0) -> dict:
+        self.asked_at = self.family.version  # what a suspended answer has seen (_wait)
         return self._state(await self._side("advance", req_id=self.req_id, tokens=tokens,
                                             backtrack=backtrack))
 
@@ -130,6 +171,8 @@ class ControlledRun:
         self.binds = state.get("binds", self.binds)
         self.logs.append(state.get("logs") or "")
         self.storage += state.get("storage") or []
+        if state.get("storage"):  # a variable a sibling waits for may be among them
+            self.family.bump()
         if state.get("error"):
             raise _ControllerFailed(f"controller failed: {state['error']}", "validation")
         return state
@@ -142,22 +185,93 @@ class ControlledRun:
             yield refused
             return
         try:
-            # Built, and its first pre_process run, in one round trip: text the controller
-            # forces at the start costs no prefill.
-            state = self._state(await self._side(
-                "instantiate", req_id=self.req_id, prompt=self.prompt_ids,
-                module_id=spec.module, module_arg=spec.arg, advance=True))
+            try:
+                # Built, and its first pre_process run, in one round trip: text the
+                # controller forces at the start costs no prefill.
+                state = self._state(await self._side(
+                    "instantiate", req_id=self.req_id, prompt=self.prompt_ids,
+                    module_id=spec.module, module_arg=spec.arg, advance=True))
+            except _ControllerFailed as exc:
+                yield ErrorEvent(kind=exc.kind, param=exc.param, message=str(exc))
+                return
+            branch = self._branch(state)
+            async for event in branch:  # one sequence: its events as they come
+                yield event
+                if isinstance(event, ForkEvent):
+                    fork = event
+                    break
+            else:
+                return
+            async for event in self._forked(branch, fork.index):
+                yield event
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        try:  # no need to wait: a lost release is dropped by the runtime's idle TTL
+            self.side.request("release", timeout=SIDE_TIMEOUT_S, req_id=self.req_id)
+        except ChannelError:
+            pass
+
+    async def _branch(self, state: dict | None) -> AsyncIterator[Event]:
+        """This branch's events to its end; ``state`` None: a fork's, whose pre is owed."""
+        try:
+            if state is None:
+                state = await self._advance([])
             async for event in self._segments(state):
                 yield event
         except _ControllerFailed as exc:
             for event in self._flush():
                 yield event
-            yield ErrorEvent(kind=exc.kind, param="controller", message=str(exc))
+            yield ErrorEvent(kind=exc.kind, param=exc.param, message=str(exc))
         finally:
-            try:  # no need to wait: a lost release is dropped by the runtime's idle TTL
-                self.side.request("release", timeout=SIDE_TIMEOUT_S, req_id=self.req_id)
-            except ChannelError:
-                pass
+            self.family.live -= 1
+            self.family.bump()  # waiting siblings check again (a deadlock, perhaps)
+            if self.index:
+                self._release()
+
+    async def _forked(self, root: AsyncIterator[Event], first: int) -> AsyncIterator[Event]:
+        """After the first fork: every branch a task feeding one bounded queue; a ForkEvent
+        starts the branch it announces (so it follows that event)."""
+        queue: asyncio.Queue = asyncio.Queue(QUEUE_EVENTS)
+        tasks: list[asyncio.Task] = []
+
+        async def pump(events: AsyncIterator[Event]) -> None:
+            try:
+                async with aclosing(events):  # type: ignore[type-var]
+                    async for event in events:
+                        await queue.put(event)
+                await queue.put(_DONE)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # re-raised by the consumer
+                await queue.put(exc)
+
+        def start(index: int) -> None:
+            branch, state = self.family.ready.pop(index)
+            tasks.append(asyncio.create_task(pump(branch._branch(state))))
+
+        try:
+            tasks.append(asyncio.create_task(pump(root)))
+            start(first)
+            running = 2
+            while running:
+                item = await queue.get()
+                if item is _DONE:
+                    running -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if isinstance(item, ForkEvent):
+                    start(item.index)
+                    running += 1
+                elif isinstance(item, ErrorEvent):
+                    return  # ends the stream: the other branches are cancelled below
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _segments(self, state: dict) -> AsyncIterator[Event]:
         while True:
@@ -173,9 +287,17 @@ class ControlledRun:
                     yield event
                 return
             pre = state.get("pre") or {}
-            if pre.get("suspend") or pre.get("num_forks", 1) != 1:
-                raise _ControllerFailed("the controller forked or suspended, which the vllm "
-                                        "engine does not support yet", "validation")
+            if pre.get("suspend"):
+                state = await self._wait()
+                continue
+            if pre.get("num_forks", 1) > 1:
+                if pre.get("ff_tokens") or pre.get("backtrack"):
+                    raise _ControllerFailed("a pre result that forks cannot also force or "
+                                            "withdraw tokens on this engine", "validation")
+                for event in await self._fork(int(pre["num_forks"])):
+                    yield event
+                state = await self._advance([])
+                continue
             forced = list(pre.get("ff_tokens") or [])
             backtrack = int(pre.get("backtrack") or 0)
             if backtrack:
@@ -244,6 +366,42 @@ class ControlledRun:
                     yield event
                 return
 
+    async def _fork(self, n: int) -> list[Event]:
+        """Copies of this branch as branches of their own: the held token goes out first, so
+        each copy starts from the output as its ForkEvent finds it."""
+        indices = [next(self.family.indices) for _ in range(n - 1)]
+        root = self.req_id.split(".f")[0]
+        into = [f"{root}.f{i}" for i in indices]
+        await self._side("fork", req_id=self.req_id, into=into)
+        events: list[Event] = [*self._flush()]
+        for index, req_id in zip(indices, into, strict=True):
+            child = copy.copy(self)
+            child.index, child.req_id = index, req_id
+            child.out, child.texts = list(self.out), list(self.texts)
+            child.logs, child.storage, child.cached, child.binds = [], [], 0, 0
+            self.family.ready[index] = (child, None)
+            self.family.live += 1
+            events.append(ForkEvent(index=index, parent=self.index))
+        return events
+
+    async def _wait(self) -> dict:
+        """Suspended: ask again once a sibling reported written variables or ended (or after
+        a poll); all live branches suspended with nothing new since is a deadlock."""
+        family = self.family
+        if family.version == self.asked_at:  # nothing new since it said "suspend"
+            if len(family.waiting) + 1 >= family.live:
+                raise _ControllerFailed("deadlock: every branch of the controller is "
+                                        "suspended (waiting for variables nobody will set)",
+                                        "validation", DEADLOCK)
+            family.waiting.add(self.index)
+            try:
+                await asyncio.wait_for(family.changed.wait(), WAIT_POLL_S)
+            except TimeoutError:
+                pass
+            finally:
+                family.waiting.discard(self.index)
+        return await self._advance([])
+
     def _hold(self, event: TokenEvent) -> list[TokenEvent]:
         """Append ``event``'s token to the output and keep it back until the next one (or the
         end) says whether it is the run's last: encoders put the finish on that token."""
@@ -254,6 +412,8 @@ class ControlledRun:
         if self.carry:
             event = msgspec.structs.replace(event, text=self.carry + event.text)
             self.carry = ""
+        if event.index != self.index:
+            event = msgspec.structs.replace(event, index=self.index)
         self.texts.append(event.text)
         out = self._flush()
         self.pending = event
@@ -280,7 +440,7 @@ class ControlledRun:
         del self.out[-count:], self.texts[-count:]
         self.carry = ""  # text held back from the withdrawn tokens
         self.spliced = True
-        events.append(BacktrackEvent(count=count, text=text))
+        events.append(BacktrackEvent(index=self.index, count=count, text=text))
         return events
 
     def _forced(self, tokens: list[int]) -> list[TokenEvent]:
@@ -297,7 +457,8 @@ class ControlledRun:
                 text, prefix, read = after[len(before):], read, len(ids)
             own = self._text([token]) if self.request.output.logprobs is not None else None
             self.forced += 1
-            events.append(TokenEvent(token_id=token, text=text, forced=True, token_text=own,
+            events.append(TokenEvent(index=self.index, token_id=token, text=text, forced=True,
+                                     token_text=own,
                                      piece=text if self.request.output.token_pieces else None,
                                      elapsed_s=time.monotonic() - self.started))
         return events
@@ -309,7 +470,8 @@ class ControlledRun:
     def _final(self, reason: FinishReason, stop_reason: str | int | None = None) -> FinalEvent:
         now = time.monotonic()
         first = self.first_token or now
-        return FinalEvent(finish_reason=reason, stop_reason=stop_reason, text=self.carry,
+        return FinalEvent(index=self.index, finish_reason=reason, stop_reason=stop_reason,
+                          text=self.carry,
                           logs="".join(self.logs), storage=tuple(self.storage),
                           usage=Usage(prompt_tokens=len(self.prompt_ids),
                                       completion_tokens=len(self.out),

@@ -4,7 +4,11 @@
 shape is AICI's: ``initial-run`` first, then one ``run`` object per engine event with a
 ``forks`` entry per choice it concerns (``text`` is a delta; a backtrack adds ``" ↩ "`` and
 retracts nothing), cumulative ``usage`` on every ``run`` (pyaici reads ``ff_tokens`` from the
-first one), and ``data: [DONE]`` last. pyaici.rest refuses any other line, so no comments or
+first one), and ``data: [DONE]`` last. A new fork's first entry carries its parent's text as
+it stands (withdrawn text cut), as AICI's forked sequence decodes every token it inherited
+(its ``fork_1`` test expects each fork's text to start with the common prefix). An
+``ErrorEvent`` whose ``param`` is ``"deadlock"`` (every fork suspended) ends the running forks
+with AICI's ``deadlock``, any other with ``fail``. pyaici.rest refuses any other line, so no comments or
 keep-alives are sent.
 """
 
@@ -27,6 +31,7 @@ from protocols.internal import (
 __all__ = ["BACKTRACK_MARK", "RunMeta", "finish_reason", "run_objects", "sse"]
 
 BACKTRACK_MARK = " ↩ "
+DEADLOCK = "deadlock"  # ErrorEvent.param of a run whose forks are all suspended
 
 
 class RunMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,6 +62,7 @@ async def run_objects(events: AsyncIterator[Event], meta: RunMeta) -> AsyncItera
     yield {"id": meta.id, "object": "initial-run", "created": meta.created, "model": meta.model}
     sampled = forced = 0
     running = {0}
+    current: dict[int, str] = {}  # each fork's text as it stands (for the forks it starts)
 
     def run(*forks: dict) -> dict:
         ff = meta.prompt_tokens + forced
@@ -69,11 +75,18 @@ async def run_objects(events: AsyncIterator[Event], meta: RunMeta) -> AsyncItera
                 forced += 1
             else:
                 sampled += 1
+            current[event.index] = current.get(event.index, "") + event.text
             yield run(_fork(event.index, event.text))
         elif isinstance(event, BacktrackEvent):
+            text = current.get(event.index, "")
+            if event.text and text.endswith(event.text):
+                current[event.index] = text[:-len(event.text)]
             yield run(_fork(event.index, BACKTRACK_MARK))
         elif isinstance(event, ForkEvent):
-            running.add(event.index)  # its text starts with its own next token, as AICI's
+            running.add(event.index)
+            current[event.index] = current.get(event.parent, "")
+            if current[event.index]:
+                yield run(_fork(event.index, current[event.index]))
         elif isinstance(event, FinalEvent):
             running.discard(event.index)
             # The controller's logs and variables come with the end (the engine collects
@@ -81,7 +94,8 @@ async def run_objects(events: AsyncIterator[Event], meta: RunMeta) -> AsyncItera
             yield run(_fork(event.index, event.text, finish=finish_reason(event, meta.controlled),
                             logs=event.logs, storage=list(event.storage)))
         elif isinstance(event, ErrorEvent):
-            yield run(*(_fork(i, error=event.message, finish="fail")
+            finish = DEADLOCK if event.param == DEADLOCK else "fail"
+            yield run(*(_fork(i, error=event.message, finish=finish)
                         for i in sorted(running or {0})))
             return
 

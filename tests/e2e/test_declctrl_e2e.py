@@ -4,8 +4,10 @@ sent the same way (``tests.aici_client``, which behaves as ``pyaici.rest``: cont
 ``declctrl``, greedy, 200 tokens), through Ray Serve to the vLLM replica. AICI compares
 Orca-2-13B's exact words; these check the structure the program imposes instead: regexes
 matched, forced text in place, backtracked text gone, variables (``storage``) equal to the
-text they were taken from. Fork and Wait (fork_1, wait_1) and ``inner`` (inner_1) are refused
-by this engine with a clear error, which is what is checked there.
+text they were taken from. fork_1's forks are also checked against vLLM's own greedy pass over
+each fork's prefix (``reference_greedy``, no gateway code); wait_1's waiting fork writes what its
+siblings generated. ``inner`` (inner_1) is refused by this engine with a clear error, which is
+what is checked there.
 """
 
 from __future__ import annotations
@@ -140,16 +142,68 @@ def test_backtrack_2(aici):
     assert x and y
 
 
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    from engines.embedded import prepare_embedded_model
+    return AutoTokenizer.from_pretrained(str(prepare_embedded_model(progress=False)))
+
+
+def test_fork_1(aici, engine_handle, hf_tokenizer):
+    prefix, langs = "The word 'hello' in", [" French is", " Spanish is"]
+    result = _query(aici, "", [
+        ast.fixed(prefix),
+        ast.fork(*([ast.fixed(lang), ast.gen(max_tokens=5)] for lang in langs))])
+    assert result["error"] is None, result["error"]
+    texts = result["text"]
+    assert len(texts) == 2, texts
+    ends = {f["index"]: f["finish_reason"] for o in result["response"] for f in o["forks"]
+            if "finish_reason" in f}
+    assert ends == {0: "aici-stop", 1: "aici-stop"}, ends
+    # Each fork is the common prefix, its own Fixed, then what vLLM's own greedy pass gives
+    # after that prefix (from the empty prompt's start token; each Fixed tokenized alone).
+    encode = lambda text: hf_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    for text, lang in zip(texts, langs, strict=True):
+        ids = [hf_tokenizer.eos_token_id, *encode(prefix), *encode(lang)]
+        reference = engine_handle.reference_greedy.remote(ids, 5).result()
+        assert text == prefix + lang + reference.text, (text, reference.text)
+
+
+def test_wait_1(aici):
+    result = _query(aici, "", [
+        ast.fixed("The word 'hello' in"),
+        ast.fork(
+            [ast.fixed("\n"), ast.wait_vars("french", "spanish"),
+             ast.fixed("french:{{french}}\nspanish:{{spanish}}\n", expand_vars=True)],
+            [ast.fixed(" Spanish is"), ast.gen(rx=r" '[^']*'", max_tokens=15,
+                                               set_var="spanish")],
+            [ast.fixed(" French is"), ast.gen(rx=r" '[^']*'", max_tokens=15,
+                                              set_var="french")])])
+    assert result["error"] is None, result["error"]
+    texts, storage = result["text"], result["storage"]
+    assert len(texts) == 3, texts
+    french, spanish = storage["french"], storage["spanish"]
+    # the waiting fork wrote what its siblings generated, once both had
+    assert texts[0] == f"The word 'hello' in\nfrench:{french}\nspanish:{spanish}\n", texts
+    assert texts[1:] == [f"The word 'hello' in Spanish is{spanish}",
+                         f"The word 'hello' in French is{french}"], texts
+    assert re.fullmatch(r" '[^']*'?", french) and re.fullmatch(r" '[^']*'?", spanish)
+
+
+def test_forks_that_all_wait_end_in_a_deadlock(aici):
+    result = _query(aici, "", [ast.fixed("Hi"),
+                               ast.fork([ast.wait_vars("x")], [ast.wait_vars("y")])])
+    assert result["error"] and "deadlock" in result["error"]
+    last = result["response"][-1]["forks"]
+    assert [(f["index"], f["finish_reason"]) for f in last] == [(0, "deadlock"),
+                                                                (1, "deadlock")]
+    assert result["text"] == ["Hi", "Hi"]
+
+
 @pytest.mark.parametrize(("steps", "needle"), [
-    ([ast.fixed("The word 'hello' in"),
-      ast.fork([ast.fixed(" French is"), ast.gen(max_tokens=5)],
-               [ast.fixed(" Spanish is"), ast.gen(max_tokens=5)])], "Fork needs forks"),
-    ([ast.fixed("The word 'hello' in"),
-      ast.fork([ast.fixed("\n"), ast.wait_vars("french")],
-               [ast.fixed(" French is"), ast.gen(rx=r" '[^']*'", set_var="french")])],
-     "Fork needs forks"),
     ([ast.gen(max_tokens=20, inner={"<city>": ast.e_var("cities")})], "inner"),
-], ids=["fork_1", "wait_1", "inner_1"])
+], ids=["inner_1"])
 def test_what_this_engine_refuses_fails_the_run_with_a_clear_error(aici, steps, needle):
     result = _query(aici, "", steps)
     assert result["error"] and needle in result["error"], result["error"]

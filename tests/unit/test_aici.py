@@ -95,7 +95,8 @@ async def test_a_backtrack_marks_the_text_and_a_fork_opens_a_new_index():
     for run in objects[1:]:
         for fork in run["forks"]:
             texts[fork["index"]] = texts.get(fork["index"], "") + fork["text"]
-    assert texts == {0: "xy" + BACKTRACK_MARK + "z", 1: "w"}  # nothing retracted, as AICI
+    # nothing retracted, as AICI; the fork starts with its parent's text as it stands
+    assert texts == {0: "xy" + BACKTRACK_MARK + "z", 1: "xzw"}
 
 
 async def test_an_error_fails_every_running_fork_and_the_stream_still_ends_with_done():
@@ -108,10 +109,25 @@ async def test_an_error_fails_every_running_fork_and_the_stream_still_ends_with_
     last = _parsed(body)[-1]
     assert [(f["index"], f["finish_reason"], f["error"]) for f in last["forks"]] == [
         (0, "fail", "boom"), (1, "fail", "boom")]
+    # the fork's first entry is its parent's text
+    assert [(f["index"], f["text"]) for run in _parsed(body)[1:-1] for f in run["forks"]] == [
+        (0, "a"), (1, "a")]
     # Compact JSON, one object per event, as AICI's server writes it.
     assert body.startswith(b'data: {"id":"run-1","object":"initial-run","created":7,'
                            b'"model":"m"}\n\n')
     assert body.endswith(b"\n\ndata: [DONE]\n\n")
+
+
+async def test_every_fork_suspended_ends_the_running_forks_as_a_deadlock():
+    async def source():
+        yield TokenEvent(token_id=1, text="a")
+        yield ForkEvent(index=1)
+        yield ErrorEvent(kind="validation", message="deadlock: all wait", param="deadlock")
+
+    objects = [o async for o in run_objects(source(), META)]
+    assert [f["index"] for f in objects[2]["forks"]] == [1] and objects[2]["forks"][0]["text"] == "a"
+    assert [(f["index"], f["finish_reason"]) for f in objects[-1]["forks"]] == [
+        (0, "deadlock"), (1, "deadlock")]
 
 
 # --- the routes over the fake engine -----------------------------------------------------------

@@ -20,6 +20,7 @@ from protocols.internal import (
     ControllerSpec,
     ErrorEvent,
     FinalEvent,
+    ForkEvent,
     GenerateRequest,
     OutputOptions,
     Sampling,
@@ -76,7 +77,10 @@ class _Model:
             pre_ops = []
             done = data["post_seqs"].get(str(seq)) or {}
             ahead = (data["pre_seqs"].get(str(seq)) or {})
-            wants = ahead.get("result") or {}
+            # with forks, another branch's step call may have run this one's pre (the real
+            # engine's step covers every running row): the runtime keeps what it answered
+            bound = self.rt._seqs.get(seq)
+            wants = ahead.get("result") or (bound.last_pre if bound is not None else None) or {}
             ending = done.get("error") or (done.get("result") or {}).get("stop") or \
                 ahead.get("error") or wants.get("ff_tokens") or wants.get("backtrack")
             token = EOS if ending else self.script[self.k % len(self.script)]
@@ -154,7 +158,7 @@ def test_forced_tokens_beyond_the_budget_are_cut_at_it():
 @pytest.mark.parametrize("arg, module, needle", [
     ("bad", "scripted", "bad program"),
     ("", "nope", "unknown controller"),
-    ("forks=2", "scripted", "forked or suspended"),
+    ("forks=2 ff=5", "scripted", "cannot also force"),
 ])
 def test_controller_failures_are_one_validation_error_and_release_the_controller(
         arg, module, needle):
@@ -333,3 +337,66 @@ def test_forced_tokens_that_fill_the_budget_still_reach_the_controller_which_may
     events, model, *_ = _run("ff=1,2 stop-after=2", [5], max_tokens=2)
     assert _tokens(events) == [(1, True), (2, True)]
     assert events[-1].finish_reason == "eos" and model.prompts == []
+
+
+# --- forks and suspends ------------------------------------------------------------------------
+
+def _by_choice(events):
+    out: dict[int, list] = {}
+    for e in events:
+        if isinstance(e, TokenEvent):
+            out.setdefault(e.index, []).append((e.token_id, e.forced))
+    return out
+
+
+def test_a_fork_announces_each_new_choice_before_its_events_and_each_runs_its_segments():
+    events, model, side, _ = _run("forks=3 branch-ff", [5, 6], max_tokens=4)
+    forks = [e for e in events if isinstance(e, ForkEvent)]
+    assert [(f.index, f.parent) for f in forks] == [(1, 0), (2, 0)]
+    for fork in forks:  # announced before any event of its choice
+        first = next(i for i, e in enumerate(events)
+                     if not isinstance(e, ForkEvent) and getattr(e, "index", None) == fork.index)
+        assert events.index(fork) < first
+    tokens = _by_choice(events)
+    assert sorted(tokens) == [0, 1, 2]
+    for index, got in tokens.items():  # each branch forced 100 + its index, then sampled
+        assert got[0] == (100 + index, True) and len(got) == 4, got
+        assert all(not forced for _, forced in got[1:])
+    finals = {e.index: e for e in events if isinstance(e, FinalEvent)}
+    assert sorted(finals) == [0, 1, 2] and isinstance(events[-1], FinalEvent)
+    assert all(f.finish_reason == "length" and f.usage.completion_tokens == 4
+               for f in finals.values())
+    for index in finals:  # its last token is marked last
+        assert [e for e in events if isinstance(e, TokenEvent) and e.index == index][-1].last
+    # every branch's segments start from the prompt and its own output (its forced token)
+    assert sorted(p[:3] for p in model.prompts[:3]) == [[9, 9, 100], [9, 9, 101], [9, 9, 102]]
+    assert side.ops.count("fork") == 1 and side.ops.count("release") == 3
+
+
+def test_a_suspended_branch_runs_once_a_sibling_writes_what_it_waits_for():
+    events, _, _, _ = _run("forks=2 var=v wait=v wait-branch=1", [5, 6], max_tokens=3)
+    assert not any(isinstance(e, ErrorEvent) for e in events), events[-1]
+    tokens = _by_choice(events)
+    assert len(tokens[0]) == 3 and len(tokens[1]) == 3
+    # branch 1 starts only after branch 0 reported its first write (its first token's advance)
+    first_of_1 = next(i for i, e in enumerate(events) if isinstance(e, TokenEvent) and e.index)
+    assert any(isinstance(e, TokenEvent) and e.index == 0 for e in events[:first_of_1])
+    assert sum(isinstance(e, FinalEvent) for e in events) == 2
+
+
+def test_every_branch_suspended_ends_the_run_as_a_deadlock():
+    events, _, side, _ = _run("wait=never", [5])
+    assert isinstance(events[-1], ErrorEvent) and events[-1].param == "deadlock"
+    assert "suspended" in events[-1].message
+    assert side.ops[-1] == "release"
+    events, _, side, _ = _run("forks=2 wait=never wait-branch=1 stop-after=2", [5])
+    assert isinstance(events[-1], ErrorEvent) and events[-1].param == "deadlock"
+    # branch 0 finished first; then branch 1 alone waits for what nobody will write
+    assert any(isinstance(e, FinalEvent) and e.index == 0 for e in events)
+    assert side.ops.count("release") == 2
+
+
+def test_an_error_in_one_branch_ends_the_stream_and_releases_every_branch():
+    events, _, side, _ = _run("forks=2 branch-ff", [5], module="boom")
+    assert isinstance(events[-1], ErrorEvent) and "controller bug" in events[-1].message
+    assert side.ops.count("release") == 2
