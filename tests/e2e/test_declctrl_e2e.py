@@ -158,7 +158,7 @@ def test_fork_1(aici, engine_handle, hf_tokenizer):
     assert result["error"] is None, result["error"]
     texts = result["text"]
     assert len(texts) == 2, texts
-    ends = {f["index"]: f["finish_reason"] for o in result["response"] for f in o["forks"]
+    ends = {f["index"]: f["finish_reason"] for o in result["response"] for f in o.get("forks", ())
             if "finish_reason" in f}
     assert ends == {0: "aici-stop", 1: "aici-stop"}, ends
     # Each fork is the common prefix, its own Fixed, then what vLLM's own greedy pass gives
@@ -208,3 +208,32 @@ def test_what_this_engine_refuses_fails_the_run_with_a_clear_error(aici, steps, 
     result = _query(aici, "", steps)
     assert result["error"] and needle in result["error"], result["error"]
     assert result["response"][-1]["forks"][0]["finish_reason"] == "fail"
+
+
+def test_forks_are_extra_choices_of_a_whole_openai_response_and_refused_in_a_stream(
+        openai_client, engine_handle, hf_tokenizer):
+    """The same fork through the openai SDK: a whole response applies it as an extra choice
+    (each equal to vLLM's own greedy pass over its prefix); a stream, which cannot open a
+    choice it was not asked for, ends with an error saying so."""
+    import openai
+
+    from tests.e2e.conftest import MODEL
+
+    prompt, langs = "The word 'hello' in", [" French is", " Spanish is"]
+    program = json.dumps({"steps": [ast.fork(*([ast.fixed(lang), ast.gen(max_tokens=4)]
+                                               for lang in langs))]})
+    extra = {"controller": "declctrl", "controller_arg": program}
+    whole = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                             temperature=0, extra_body=extra)
+    assert [c.index for c in whole.choices] == [0, 1]
+    prompt_ids = engine_handle.reference_greedy.remote(prompt, 1).result().prompt_token_ids
+    for choice, lang in zip(whole.choices, langs, strict=True):
+        ids = prompt_ids + hf_tokenizer.encode(lang, add_special_tokens=False)
+        reference = engine_handle.reference_greedy.remote(ids, 4).result()
+        assert choice.text == lang + reference.text, (choice.text, reference.text)
+        assert choice.finish_reason == "stop"
+    with pytest.raises(openai.APIError, match="forked into a new choice"):
+        for _ in openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                                  temperature=0, stream=True,
+                                                  extra_body=extra):
+            pass
