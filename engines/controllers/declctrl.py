@@ -14,6 +14,11 @@ its test-suite), on this runtime's three phases:
   ``Fixed`` that follows (the model picking it moves on), and also EOS, which ends the step
   and is withdrawn (kept only at the program's end). With ``stop_at``, only the stop string
   or a limit ends it.
+- ``Gen.inner`` (``[{"after": text, "options": list expression}]``, without ``rx``): free text
+  (no EOS) until the output ends with an ``after`` text; then the text must continue with one
+  of the options (those that begin with what the token that completed ``after`` already
+  added), token by token, forced once only one remains (AICI's derived ``Options`` step);
+  after an option, free text again.
 - ``Choose`` (``options``: a list expression): the text is one of the options.
 - ``Stop``, and the end of the steps: the controller stops.
 - ``Fork`` (``branches``: two or more non-empty step lists): the sequence forks into one per
@@ -26,7 +31,7 @@ its test-suite), on this runtime's three phases:
   ``IfEq``, ``Extract`` (``$1``-style templates; ``list``: all matches).
 - ``Set`` statements run when their step ends; each write is a ``WriteVar`` storage entry.
 
-Refused with a clear error: ``inner``, ``yacc``. ``mask_tags`` and ``tag`` are accepted and have
+Refused with a clear error: ``yacc``. ``mask_tags`` and ``tag`` are accepted and have
 no effect (as in AICI).
 """
 
@@ -113,8 +118,13 @@ def _parse_steps(steps: list, where_prefix: str, count: list[int]) -> list[_Step
         if kind == "Gen":
             if spec.get("yacc") is not None:
                 raise _fail(where, "yacc grammars are not supported; use rx")
-            if spec.get("inner"):
-                raise _fail(where, "Gen.inner is not supported")
+            inner = spec.get("inner") or []
+            if not isinstance(inner, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("after"), str) and c["after"]
+                    and isinstance(c.get("options"), dict) for c in inner):
+                raise _fail(where, 'Gen.inner is [{"after": <text>, "options": <expression>}]')
+            if inner and spec.get("rx") is not None:
+                raise _fail(where, "Gen.inner cannot be combined with rx (as in AICI)")
             for limit in ("max_tokens", "max_words", "max_bytes"):
                 value = spec.get(limit)
                 if value is not None and (not isinstance(value, int) or value < 1):
@@ -153,6 +163,10 @@ class DeclController(Controller):
         self.forcing: list[int] | None = None  # a Fixed's tokens, until they come back
         self.matcher: llguidance.LLMatcher | None = None
         self._next_tokens: list[int] | None = None  # the next Fixed's, once asked for
+        # Gen.inner: after an ``after`` text, the options' tokens still possible, and how many
+        # of their tokens are in the output (None: free text)
+        self.inner: list[list[int]] | None = None
+        self.inner_at = 0
         self._compiled = self._compile_regexes()
 
     @property
@@ -204,6 +218,10 @@ class DeclController(Controller):
         if self.withdraw:  # the EOS that ended the previous step
             backtrack, self.withdraw = self.withdraw, 0
             return PreResult(backtrack=backtrack)
+        if self.inner is not None:  # one option left with 2+ tokens to go: forced (as AICI)
+            longer = [o for o in self.inner if len(o) >= self.inner_at + 2]
+            if len(longer) == 1:
+                return PreResult(ff_tokens=longer[0][self.inner_at:])
         if self.steps[self.idx + 1].kind == "Fork" and self._may_end():
             self._finish()  # AICI moves to a Fork as soon as the step before it may end
             return self.pre_process()
@@ -233,6 +251,15 @@ class DeclController(Controller):
     def mid_process(self) -> np.ndarray | None:
         if self.step.kind not in ("Gen", "Choose"):
             return None
+        if self.inner is not None:
+            allowed = np.zeros(self.ctx.tokenizer.vocab_size, dtype=bool)
+            if any(len(o) <= self.inner_at for o in self.inner):
+                allowed[:] = True  # an option is complete: free text may go on, as in AICI
+                allowed[self.eos] = False
+            for option in self.inner:
+                if len(option) > self.inner_at:
+                    allowed[option[self.inner_at]] = True
+            return allowed
         may_end = self._may_end()
         start = self._next_fixed() if may_end else None
         if self.matcher is not None:
@@ -263,7 +290,7 @@ class DeclController(Controller):
                 if len(self.out) - self.start >= len(self.forcing or ()):
                     self._finish()
                 continue
-            start = self._next_fixed() if self._may_end() else None
+            start = self._next_fixed() if self._may_end() and self.inner is None else None
             self.out.append(token)
             if token == self.eos:
                 self.withdraw = 1  # ends the step; not part of its text
@@ -357,6 +384,8 @@ class DeclController(Controller):
             raise _fail(self._where(), f"token {token} outside the step's constraint: "
                                             f"{self.matcher.get_error()}")
         spec, text = self.step.spec, self._text()
+        if spec.get("inner"):
+            self._advance_inner(token, spec["inner"])
         stop_at = spec.get("stop_at")
         done = (stop_at and stop_at.encode() in text[-(len(stop_at.encode())
                                                        + len(self.ctx.tokenizer.decode([token]))):])
@@ -369,6 +398,33 @@ class DeclController(Controller):
         if done:
             self._finish()
 
+    def _advance_inner(self, token: int, constraints: list[dict]) -> None:
+        if self.inner is not None:
+            going = [o for o in self.inner if len(o) > self.inner_at and o[self.inner_at] == token]
+            if going:
+                self.inner_at += 1
+                self.inner = going if any(len(o) > self.inner_at for o in going) else None
+                return
+            self.inner = None  # past a complete option: free text again
+        piece = self.ctx.tokenizer.decode([token])
+        for constraint in constraints:
+            after = constraint["after"].encode()
+            # the output's tail: enough tokens to hold ``after`` ending in this token
+            tail = self.ctx.tokenizer.decode(self.out[-(len(after) + 1):])
+            found = tail.find(after, max(0, len(tail) - len(piece) - len(after)))
+            if found < 0:
+                continue
+            typed = tail[found + len(after):]  # what this token added past ``after``
+            options = [o for o in self._eval(constraint["options"], b"").split(SEP)
+                       if o and o.startswith(typed)]
+            tokens = [self.ctx.tokenizer.encode(o[len(typed):].decode("utf-8", errors="replace"))
+                      for o in options]
+            tokens = [t for t in tokens if t]
+            if tokens:
+                self.inner, self.inner_at = tokens, 0
+                self.ctx.log(f"inner: after {constraint['after']!r}, {len(tokens)} options")
+            return
+
     def _finish(self, eos: bool = False) -> None:
         current = self.ctx.tokenizer.decode(self.out[self.start:len(self.out) - eos])
         step = self.step
@@ -379,6 +435,7 @@ class DeclController(Controller):
             self.ctx.log(f"  set ${name} := {value.decode('utf-8', errors='replace')!r}")
         self.idx += 1
         self.entered, self.forcing, self.matcher, self._next_tokens = False, None, None, None
+        self.inner, self.inner_at = None, 0
 
     # --- expressions -------------------------------------------------------------------------
 

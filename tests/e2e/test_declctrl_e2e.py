@@ -6,8 +6,9 @@ Orca-2-13B's exact words; these check the structure the program imposes instead:
 matched, forced text in place, backtracked text gone, variables (``storage``) equal to the
 text they were taken from. fork_1's forks are also checked against vLLM's own greedy pass over
 each fork's prefix (``reference_greedy``, no gateway code); wait_1's waiting fork writes what its
-siblings generated. ``inner`` (inner_1) is refused by this engine with a clear error, which is
-what is checked there.
+siblings generated. inner_1 takes its list of cities from a fixed list (the 135M model does
+not write AICI's list on request) and checks that every ``<city>`` the model then writes is
+followed by one of them; ``yacc`` is refused by this engine with a clear error.
 """
 
 from __future__ import annotations
@@ -201,9 +202,27 @@ def test_forks_that_all_wait_end_in_a_deadlock(aici):
     assert result["text"] == ["Hi", "Hi"]
 
 
+def test_inner_1(aici):
+    listing = "<city>Warsaw</city>\n<city>Krakow</city>\n<city>Gdansk</city>\n"
+    result = _query(aici, "", [
+        ast.fixed(_wrap("List cities in Poland. Use <city>City Name</city> syntax.")),
+        {"Fixed": {"text": ast.e_str(listing), "stmts": [ast.stmt_set(
+            "cities", ast.e_extract_all(r"<city>([^<]*</city>)", ast.e_current()))]}},
+        ast.gen(max_tokens=30, inner={"<city>": ast.e_var("cities")})])
+    text = _ok(result, ("aici-stop", "length"))
+    cities = result["storage"]["cities"].split("\uff0c")
+    assert cities == ["Warsaw</city>", "Krakow</city>", "Gdansk</city>"], cities
+    generated = text.split(listing, 1)[1]
+    after = generated.split("<city>")[1:]
+    assert after, f"the model wrote no <city> to constrain: {generated!r}"
+    for i, rest in enumerate(after):  # each is one of the options (the last may be cut short)
+        assert any(rest.startswith(c) or (i == len(after) - 1 and c.startswith(rest))
+                   for c in cities), generated
+
+
 @pytest.mark.parametrize(("steps", "needle"), [
-    ([ast.gen(max_tokens=20, inner={"<city>": ast.e_var("cities")})], "inner"),
-], ids=["inner_1"])
+    ([ast.gen(max_tokens=20, yacc="x: 'a';")], "yacc"),
+], ids=["yacc"])
 def test_what_this_engine_refuses_fails_the_run_with_a_clear_error(aici, steps, needle):
     result = _query(aici, "", steps)
     assert result["error"] and needle in result["error"], result["error"]

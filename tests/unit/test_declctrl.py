@@ -8,6 +8,7 @@ is done (if allowed), else the first allowed token. Programs are in the JSON sha
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -234,7 +235,8 @@ def test_expressions_and_statements(tok):
     ([ast.wait_vars()], "Wait.vars"),
     ([ast.fork([ast.gen(rx="(")], [ast.fixed("b")])], "step 0.branch 0.step 0"),
     ([ast.gen(yacc="x: 'a';")], "yacc"),
-    ([ast.gen(inner={"<city>": ast.e_str("a")})], "inner"),
+    ([ast.gen(rx="a", inner={"<city>": ast.e_str("a")})], "inner cannot be combined"),
+    ([{"Gen": {"inner": [{"after": "", "options": {"String": {"str": "a"}}}]}}], "Gen.inner"),
     ([{"Gen": {"max_tokens": 0}}], "max_tokens"),
     ([{"Nope": {}}], "a step is one of"),
     ([ast.gen(rx="(")], "step 0"),
@@ -347,3 +349,25 @@ def test_forked_outside_a_fork_is_an_error(tok):
     run = _Run(tok, [ast.fixed("a")])
     with pytest.raises(ControllerError, match="outside a Fork"):
         run.ctrl.forked(1)
+
+
+# --- Gen.inner ------------------------------------------------------------------------------
+
+CITIES = ast.e_list(ast.e_str("Paris</city>"), ast.e_str("London</city>"))
+
+
+def test_inner_takes_the_model_s_option_after_its_marker_then_free_text_again(tok):
+    run = _Run(tok, [ast.fixed("Cities:"), ast.gen(max_tokens=40, inner={"<city>": CITIES})],
+               "Cities: <city>London</city> and more")
+    # (the EOS that ends the last step stays, as AICI's)
+    assert run.go() == "Cities: <city>London</city> and more<|im_end|>"
+
+
+def test_inner_keeps_the_text_after_its_marker_to_the_options(tok):
+    """The model wants Rome after the second marker: it gets one of the options instead (the
+    rest of the option forced once only it is left)."""
+    run = _Run(tok, [ast.fixed("Cities:"), ast.gen(max_tokens=40, inner={"<city>": CITIES})],
+               "Cities: <city>Paris</city> and <city>Rome</city>")
+    text = run.go().removesuffix("<|im_end|>")
+    assert re.fullmatch(r"Cities: <city>Paris</city> and <city>(Paris|London)</city>", text), text
+    assert "inner: after '<city>', 2 options" in "".join(run.ctx.drain()[0])
