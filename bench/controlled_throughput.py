@@ -6,12 +6,19 @@ replica), 16 concurrent streams, greedy, ``max_tokens`` each. Three cases, alter
 
 - ``plain``: no controller (the hook is installed but idle);
 - ``none``: the no-op controller (one runtime round trip per step, all tokens allowed);
-- ``regex``: llguidance ``[a-z ,.]+`` (a mask every step; the model may end early only where
-  the grammar accepts, so output tokens are counted, not assumed).
+- ``regex``: llguidance ``[a-z ,.]{300,}`` (a mask every step). At least 300 characters, so
+  no stream may end before its token budget: with ``[a-z ,.]+`` a quarter of the streams
+  ended early and the case ran at a smaller batch than the others (output tokens are still
+  counted, not assumed).
 
 Usage::
 
     python bench/controlled_throughput.py [--streams 16] [--max-tokens 64] [--rounds 3]
+
+Each row also has the CPU milliseconds per output token of this process (the frontend: the
+driver of controlled runs and vLLM's output processing), of vLLM's engine processes, and of the
+rest (Ray, with the controller runtime actor), read with psutil before and after the case
+(``bench/cputime.py``): where a controller's cost goes.
 
 Writes ``bench/results/controlled_throughput.json`` with the CPU flags and dtype. Run it on an
 idle box (nothing else using the CPU).
@@ -36,10 +43,10 @@ from bench.pipeline import _cpu_flags  # noqa: E402
 
 PROMPTS = ["Write a short story about a lighthouse keeper", "Describe the city of Paris",
            "Explain how rain forms", "List some things to do on a sunny day"]
-REGEX = {"grammar": {"grammars": [{"lark_grammar": "start: /[a-z ,.]+/"}]}}
+REGEX = {"grammar": {"grammars": [{"lark_grammar": "start: /[a-z ,.]{300,}/"}]}}
 
 
-async def _one(engine, i: int, case: str, max_tokens: int) -> int:
+async def _one(engine, i: int, case: str, max_tokens: int) -> tuple[int, float, float]:
     from engines.base import Admitted
     from protocols.internal import ControllerSpec, GenerateRequest, Sampling, TextPrompt, TokenEvent
 
@@ -52,21 +59,42 @@ async def _one(engine, i: int, case: str, max_tokens: int) -> int:
                           ignore_eos=controller is None),  # controlled runs ignore EOS anyway
         controller=controller)
     ids = engine.render(request.prompt)
-    tokens = 0
+    tokens, t0, ttft = 0, time.perf_counter(), 0.0
     async for event in engine.stream(request, Admitted(prompt_ids=ids, max_tokens=max_tokens)):
-        tokens += isinstance(event, TokenEvent)
-    return tokens
+        if isinstance(event, TokenEvent):
+            tokens += 1
+            ttft = ttft or time.perf_counter() - t0
+    tpot = (time.perf_counter() - t0 - ttft) / max(tokens - 1, 1)
+    return tokens, ttft, tpot
+
+
+def _cpu_by_part() -> dict[str, float]:
+    from bench.cputime import snapshot
+
+    own = os.getpid()
+    parts = {"frontend": 0.0, "engine": 0.0, "rest": 0.0}
+    for pid, (is_engine, cpu) in snapshot(own).items():
+        parts["frontend" if pid == own else "engine" if is_engine else "rest"] += cpu
+    return parts
 
 
 async def _case(engine, case: str, streams: int, max_tokens: int) -> dict:
+    cpu0 = _cpu_by_part()
     t0 = time.perf_counter()
-    counts = await asyncio.gather(*(_one(engine, i, case, max_tokens) for i in range(streams)))
+    done = await asyncio.gather(*(_one(engine, i, case, max_tokens) for i in range(streams)))
     wall = time.perf_counter() - t0
+    cpu1 = _cpu_by_part()
+    counts = [n for n, _, _ in done]
+    tokens = max(sum(counts), 1)
     return {"case": case, "tokens": sum(counts), "wall_s": round(wall, 3),
-            "tok_s": round(sum(counts) / wall, 2)}
+            "tok_s": round(sum(counts) / wall, 2),
+            "ttft_p50_ms": round(statistics.median(t for _, t, _ in done) * 1000, 1),
+            "tpot_p50_ms": round(statistics.median(t for _, _, t in done) * 1000, 2),
+            **{f"cpu_ms_per_tok_{part}": round((cpu1[part] - cpu0[part]) * 1000 / tokens, 3)
+               for part in cpu0}}
 
 
-async def _run(args) -> dict:
+async def _run(args: argparse.Namespace) -> dict:
     from engines.config import ModelConfig
     from engines.vllm.engine import VLLMEngine
 
@@ -85,20 +113,27 @@ async def _run(args) -> dict:
             "dtype": engine.model_info().dtype}
 
 
+def measure_throughput(streams: int = 16, max_tokens: int = 64, rounds: int = 3) -> dict:
+    """The three cases, alternated over ``rounds``, in a Ray instance of its own (also run
+    by ``bench/controllers.py --throughput``)."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        args = argparse.Namespace(streams=streams, max_tokens=max_tokens, rounds=rounds)
+        return asyncio.run(_run(args))
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        result = asyncio.run(_run(args))
-    finally:
-        ray.shutdown()
+    result = measure_throughput(args.streams, args.max_tokens, args.rounds)
     out = {"machine": {"cpu_flags": _cpu_flags(), "cores": os.cpu_count(),
                        "python": platform.python_version()},
            "command": " ".join(["python", "bench/controlled_throughput.py", *sys.argv[1:]]),

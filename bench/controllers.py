@@ -8,12 +8,19 @@ run, end to end through the shared-memory transport, with the runtime in **anoth
 production, for the no-op controller (``none``) and, with ``--guidance``, an llguidance regex
 controller on the embedded model's tokenizer (vocab 49,152), at batch 1 and 16.
 
+``step`` asks for bitmask rows (``mask_format: bits``), as the hook does; the seed's two
+calls write dense float rows.
+
+With ``--throughput`` the same run then measures generation through vLLM: unconstrained vs the
+no-op controller vs an llguidance regex, 16 streams, alternated over ``--rounds``
+(``bench/controlled_throughput.py``, which also runs alone).
+
 Usage::
 
-    python bench/controllers.py [--steps 500] [--batch 1 16] [--guidance]
+    python bench/controllers.py [--steps 500] [--batch 1 16] [--guidance] [--throughput]
 
-Writes ``bench/results/controllers.json`` with the CPU flags. Run it on an idle box. Throughput
-through vLLM (constrained vs unconstrained, 16 streams): ``bench/controlled_throughput.py``.
+Writes ``bench/results/controllers.json`` with the CPU flags (and the engine's dtype with
+``--throughput``). Run it on an idle box.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ def measure(main: MainClient, side: SideClient, batch: int, steps: int, module: 
     pre_ms, mid_ms, merged_ms = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        main.call("step", timeout=30, pre_ops=[], freed=[],
+        main.call("step", timeout=30, pre_ops=[], freed=[], mask_format="bits",
                   post_ops=[{"id": s, "tokens": [token], "backtrack": 0} for s in seqs],
                   mid_ops=[{"id": s, "clone_id": None} for s in seqs])
         merged_ms.append((time.perf_counter() - t0) * 1000)
@@ -92,6 +99,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--guidance", action="store_true",
                         help="also an llguidance regex controller ([a-z ]+, any length)")
+    parser.add_argument("--throughput", action="store_true",
+                        help="then generation through vLLM: plain vs none vs regex, 16 streams")
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds")
     args = parser.parse_args()
     from engines.controllers.builtin import HFTokenizerInfo
     from engines.embedded import prepare_embedded_model
@@ -125,6 +135,11 @@ def main() -> None:
                        "python": platform.python_version()},
            "vocab": vocab, "command": " ".join(["python", "bench/controllers.py", *sys.argv[1:]]),
            "rows": rows}
+    if args.throughput:
+        from bench.controlled_throughput import measure_throughput
+
+        out["throughput"] = measure_throughput(rounds=args.rounds)
+        print(json.dumps(out["throughput"]["vs_plain"]), flush=True)
     path = ROOT / "bench" / "results" / "controllers.json"
     path.parent.mkdir(parents=True, exist_ok=True)  # ignored by git: absent in a clone
     path.write_text(json.dumps(out, indent=1) + "\n")

@@ -9,11 +9,13 @@ import threading
 import uuid
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
+from engines.controllers.base import Controller
 from engines.controllers.runtime import ControllerRuntime, Limits
 from engines.controllers.shm import (
     BiasMatrix,
@@ -29,12 +31,23 @@ from tests.controllers import VOCAB, FakeTokenizer, Scripted
 STOP = 0  # the fake tokenizer's EOS, listed as the requests' stop token
 
 
+class _RandomMask(Controller):
+    """Allows a fixed random half of the vocabulary, bit 31 and the last token included."""
+
+    WANTED = np.random.default_rng(7).random(VOCAB) < 0.5
+    WANTED[[31, 32, VOCAB - 1]] = True
+
+    def mid_process(self):
+        return self.WANTED
+
+
 @pytest.fixture
 def runtime():
     prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
     objects = ChannelObjects(prefix, json_size=1 << 16, bin_size=16 * VOCAB * 4)
     bias = BiasMatrix(prefix, create=False)
-    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, bias, Limits(step_s=1.0))
+    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted, "random": _RandomMask}, bias,
+                           Limits(step_s=1.0))
     main, side_srv = MainServer(prefix), SideServer(prefix)
     threads = [threading.Thread(target=main.serve, args=(rt.handle_main,), daemon=True),
                threading.Thread(target=side_srv.serve, args=(rt.handle_side,), daemon=True)]
@@ -42,9 +55,9 @@ def runtime():
         t.start()
     side = SideClient(prefix, create=False)
 
-    def instantiate(req_id, arg):
+    def instantiate(req_id, arg, module="scripted"):
         assert side.call("instantiate", timeout=5, req_id=req_id, prompt=[1],
-                         module_id="scripted", module_arg=arg) == {}
+                         module_id=module, module_arg=arg) == {}
 
     yield SimpleNamespace(prefix=prefix, rt=rt, instantiate=instantiate, main=main)
     main.close()
@@ -152,3 +165,19 @@ def test_malformed_controller_args_are_refused_at_admission():
             ControllerLogitsProcessor.validate_params(
                 SamplingParams(ignore_eos=True, stop_token_ids=[STOP], extra_args=extra))
     ControllerLogitsProcessor.validate_params(SamplingParams())  # no controller: nothing to say
+
+
+
+def test_a_bitmask_becomes_exactly_its_allowed_tokens_and_leaves_their_logits_alone(runtime):
+    """Every bit position (bit 31 of a word, the last word) against the controller's own
+    boolean mask; a logits row wider than the vocabulary loses its tail."""
+    runtime.instantiate("run-r", "", module="random")
+    lp = _lp(runtime.prefix)
+    lp.update_state(_update(2, added=[(1, _params(9, "run-r"), [1], [])]))
+    logits = torch.randn(2, VOCAB + 7)
+    before = logits.clone()
+    out = lp.apply(logits)
+    wanted = torch.from_numpy(_RandomMask.WANTED)
+    assert _allowed(out[1]) == torch.nonzero(wanted).flatten().tolist()
+    assert torch.equal(out[1, :VOCAB][wanted], before[1, :VOCAB][wanted])
+    assert torch.equal(out[0], before[0])
