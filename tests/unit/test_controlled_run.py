@@ -400,3 +400,50 @@ def test_an_error_in_one_branch_ends_the_stream_and_releases_every_branch():
     events, _, side, _ = _run("forks=2 branch-ff", [5], module="boom")
     assert isinstance(events[-1], ErrorEvent) and "controller bug" in events[-1].message
     assert side.ops.count("release") == 2
+
+
+class _SlowModel(_Model):
+    """Yields a step at a time (as a real engine does) and records which segments were
+    closed before they finished: closing a segment is how the engine aborts its request."""
+
+    def __init__(self, rt, script, tok=None):
+        super().__init__(rt, script, tok)
+        self.open = 0
+        self.aborted = 0
+
+    async def segment(self, ids, max_tokens, binding, seg: Segment):
+        self.open += 1
+        finished = False
+        try:
+            async for event in super().segment(ids, max_tokens, binding, seg):
+                await asyncio.sleep(0.001)
+                yield event
+            finished = True
+        finally:
+            self.open -= 1
+            self.aborted += not finished
+
+
+def test_closing_a_forked_stream_aborts_every_branch_and_releases_every_controller():
+    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits(step_s=1.0))
+    side, model = _Side(rt), _SlowModel(rt, [5, 6])
+    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
+                          sampling=Sampling(max_tokens=50),
+                          controller=ControllerSpec(module="scripted", arg="forks=3 branch-ff"))
+    run = ControlledRun(req, [9], 50, side, _Tok(), EOS, model.segment)
+
+    async def consume_a_little():
+        seen = []
+        stream = run.stream()
+        async for event in stream:
+            seen.append(event)
+            if sum(isinstance(e, TokenEvent) for e in seen) >= 8:
+                break
+        await stream.aclose()  # the client went away
+        return seen
+
+    seen = asyncio.run(consume_a_little())
+    assert sum(isinstance(e, ForkEvent) for e in seen) == 2
+    assert model.open == 0 and model.aborted >= 2  # every running segment was closed
+    assert side.ops.count("release") == 3  # the request's controller and both forks'
+    assert rt._live == {}
