@@ -22,6 +22,7 @@ which the runtime reports as the seed's ``storage`` ``WriteVar`` entries.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,12 +69,14 @@ class Variables:
 
     def __init__(self) -> None:
         self._values: dict[str, bytes] = {}
+        self._lock = threading.Lock()  # forks run on different runtime threads
 
     def get(self, name: str) -> bytes | None:
         return self._values.get(name)
 
     def write(self, name: str, value: bytes, append: bool) -> None:
-        self._values[name] = self._values.get(name, b"") + value if append else value
+        with self._lock:
+            self._values[name] = self._values.get(name, b"") + value if append else value
 
 
 class ControllerContext:

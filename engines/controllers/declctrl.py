@@ -400,26 +400,30 @@ class DeclController(Controller):
 
     def _advance_inner(self, token: int, constraints: list[dict]) -> None:
         if self.inner is not None:
-            going = [o for o in self.inner if len(o) > self.inner_at and o[self.inner_at] == token]
-            if going:
+            if any(len(o) <= self.inner_at for o in self.inner):
+                # An option is complete: free text takes the token (AICI's furthest step
+                # that accepts it), even one that would go on with a longer option.
+                self.inner = None
+            else:
+                going = [o for o in self.inner if o[self.inner_at] == token]
                 self.inner_at += 1
                 self.inner = going if any(len(o) > self.inner_at for o in going) else None
                 return
-            self.inner = None  # past a complete option: free text again
         piece = self.ctx.tokenizer.decode([token])
         for constraint in constraints:
             after = constraint["after"].encode()
             # the output's tail: enough tokens to hold ``after`` ending in this token
             tail = self.ctx.tokenizer.decode(self.out[-(len(after) + 1):])
-            found = tail.find(after, max(0, len(tail) - len(piece) - len(after)))
+            # ``after`` must end inside this token's text
+            found = tail.find(after, max(0, len(tail) - len(piece) - len(after) + 1))
             if found < 0:
                 continue
             typed = tail[found + len(after):]  # what this token added past ``after``
             options = [o for o in self._eval(constraint["options"], b"").split(SEP)
                        if o and o.startswith(typed)]
+            # an option this token already completed stays, empty: free text may follow it
             tokens = [self.ctx.tokenizer.encode(o[len(typed):].decode("utf-8", errors="replace"))
-                      for o in options]
-            tokens = [t for t in tokens if t]
+                      if len(o) > len(typed) else [] for o in options]
             if tokens:
                 self.inner, self.inner_at = tokens, 0
                 self.ctx.log(f"inner: after {constraint['after']!r}, {len(tokens)} options")

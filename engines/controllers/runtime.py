@@ -259,24 +259,32 @@ class ControllerRuntime:
         apply = _pack_allowed if bits else _apply_allowed
         seqs: dict[str, dict] = {}
         calls = {}
-        clones: dict[int, int] = {}  # parent id → branches made of it in this call
-        for i, op in enumerate(ops):
+        # The seed's forks: a row with ``clone_id`` new to us is a copy of that parent. Every
+        # copy is made before any branch learns its index (the parent leaves its fork step
+        # when told it is branch 0), and before any row's mid_process.
+        clones: dict[int, list[_Seq]] = {}  # parent id → branches made of it in this call
+        for op in ops:
             seq_id, clone_id = int(op["id"]), op.get("clone_id")
-            if clone_id is not None and seq_id not in self._seqs:
-                parent = self._seqs.get(int(clone_id))
-                if parent is None:
-                    seqs[str(seq_id)] = _record(None, None, f"unknown parent {clone_id}", 0)
-                    continue
-                ctx = parent.ctx.forked()
-                child = _Seq(parent.req_id, parent.controller.fork(ctx), ctx, parent.forks,
-                             parent.family)
-                child.bound_to = seq_id
-                parent.forks.append(seq_id)
-                self._seqs[seq_id] = child
-                clones[int(clone_id)] = clones.get(int(clone_id), 0) + 1
-                if clones[int(clone_id)] == 1:
-                    _tell_branch(parent, 0)
-                _tell_branch(child, clones[int(clone_id)])
+            if clone_id is None or seq_id in self._seqs:
+                continue
+            parent = self._seqs.get(int(clone_id))
+            if parent is None:
+                seqs[str(seq_id)] = _record(None, None, f"unknown parent {clone_id}", 0)
+                continue
+            ctx = parent.ctx.forked()
+            child = _Seq(parent.req_id, parent.controller.fork(ctx), ctx, parent.forks,
+                         parent.family)
+            child.bound_to = seq_id
+            parent.forks.append(seq_id)
+            self._seqs[seq_id] = child
+            clones.setdefault(int(clone_id), []).append(child)
+        for parent_id, group in clones.items():
+            for index, branch in enumerate([self._seqs[parent_id], *group]):
+                _tell_branch(branch, index)
+        for i, op in enumerate(ops):
+            seq_id = int(op["id"])
+            if str(seq_id) in seqs:  # its parent was unknown
+                continue
             seq = self._seqs.get(seq_id)
             if seq is None:
                 seqs[str(seq_id)] = _record(None, None, f"unknown sequence {seq_id}", 0)
@@ -419,6 +427,7 @@ class ControllerRuntime:
             # from here its steps leave this controller alone.
             self._unbind(seq, seq.bound_to)
         error = seq.failed
+        seq.touched = time.monotonic()  # a branch that only waits is not idle
         if _suspended(seq):  # asked again: what it waits for may have come meanwhile
             seq.need_pre = True
         if not error and not seq.stopped and (tokens or backtrack):
@@ -458,23 +467,25 @@ class ControllerRuntime:
         if seq.failed or seq.stopped or asked != len(into) + 1:
             return error_reply(f"controller {seq.req_id!r} did not ask for {len(into) + 1} "
                                f"forks", is_user_error=True)
-        with self._lock:
+        children = []
+        for req_id in into:
+            ctx = seq.ctx.forked()
+            children.append(_Seq(req_id, seq.controller.fork(ctx), ctx, seq.forks, seq.family))
+        with self._lock:  # checked and taken at once: sibling branches may fork meanwhile
             if any(r in self._live for r in into):
                 return error_reply("a req_id in 'into' is already instantiated",
                                    is_user_error=True)
             if len(self._live) + len(into) > self.limits.max_pending:
                 return error_reply("too many live controllers; retry later")
-        children = []
-        for req_id in into:
-            ctx = seq.ctx.forked()
-            children.append(_Seq(req_id, seq.controller.fork(ctx), ctx, seq.forks, seq.family))
-        for index, branch in enumerate([seq, *children]):
-            _tell_branch(branch, index)
-            branch.need_pre, branch.last_pre = True, None
-        with self._lock:
+            if len(seq.family) + len(into) > self.limits.max_forks:
+                return error_reply(f"{len(seq.family) + len(into)} forks exceed the limit of "
+                                   f"{self.limits.max_forks} per request", is_user_error=True)
             for child in children:
                 self._live[child.req_id] = child
                 seq.family.add(child.req_id)
+        for index, branch in enumerate([seq, *children]):
+            _tell_branch(branch, index)
+            branch.need_pre, branch.last_pre = True, None
         return ok_reply({"forks": into})
 
     def _start_instantiate(self, request: dict, reply: Callable[[dict], None]) -> None:

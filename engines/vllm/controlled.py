@@ -95,7 +95,9 @@ class _Family:
     """What a run's branches share: how many are live, which wait, and a version bumped when
     a branch reports written variables or ends (waiting branches then ask again)."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: str) -> None:
+        self.root = root  # the request's controller id; forks are f"{root}.f<index>"
+        self.unreleased = {root}  # controllers of the run the runtime may still hold
         self.live = 1
         self.version = 0
         self.waiting: set[int] = set()  # branch indices asleep in _wait since the last bump
@@ -144,7 +146,7 @@ class ControlledRun:
         self.started = time.monotonic()
         self.first_token: float | None = None
         self.index = 0  # the choice this branch is (0: the request's own sequence)
-        self.family = _Family()
+        self.family = _Family(self.req_id)
         self.asked_at = 0  # family.version when the last advance was sent
 
     async def _side(self, op: str, **fields: Any) -> dict:
@@ -195,21 +197,34 @@ class ControlledRun:
                 yield ErrorEvent(kind=exc.kind, param=exc.param, message=str(exc))
                 return
             branch = self._branch(state)
-            async for event in branch:  # one sequence: its events as they come
-                yield event
-                if isinstance(event, ForkEvent):
-                    fork = event
-                    break
-            else:
-                return
-            async for event in self._forked(branch, fork.index):
-                yield event
+            handed = False
+            try:
+                async for event in branch:  # one sequence: its events as they come
+                    yield event
+                    if isinstance(event, ForkEvent):
+                        fork = event
+                        break
+                else:
+                    return
+                handed = True  # from here _forked's task owns (and closes) it
+                async with aclosing(self._forked(branch, fork.index)) as merged:
+                    async for event in merged:
+                        yield event
+            finally:
+                if not handed:  # closed now, not when collected: its segment's vLLM request
+                    await branch.aclose()  # is aborted and its controller released
         finally:
-            self._release()
+            # Every controller of the run: forks whose branch never started (a protocol that
+            # refused the fork, a disconnect, an error) included.
+            for req_id in sorted(self.family.unreleased):
+                self._release(req_id)
 
-    def _release(self) -> None:
+    def _release(self, req_id: str) -> None:
+        if req_id not in self.family.unreleased:
+            return
+        self.family.unreleased.discard(req_id)
         try:  # no need to wait: a lost release is dropped by the runtime's idle TTL
-            self.side.request("release", timeout=SIDE_TIMEOUT_S, req_id=self.req_id)
+            self.side.request("release", timeout=SIDE_TIMEOUT_S, req_id=req_id)
         except ChannelError:
             pass
 
@@ -218,8 +233,9 @@ class ControlledRun:
         try:
             if state is None:
                 state = await self._advance([])
-            async for event in self._segments(state):
-                yield event
+            async with aclosing(self._segments(state)) as events:  # type: ignore[type-var]
+                async for event in events:
+                    yield event
         except _ControllerFailed as exc:
             for event in self._flush():
                 yield event
@@ -227,8 +243,8 @@ class ControlledRun:
         finally:
             self.family.live -= 1
             self.family.bump()  # waiting siblings check again (a deadlock, perhaps)
-            if self.index:
-                self._release()
+            if self.index:  # the request's own controller goes last, in stream()
+                self._release(self.req_id)
 
     async def _forked(self, root: AsyncIterator[Event], first: int) -> AsyncIterator[Event]:
         """After the first fork: every branch a task feeding one bounded queue; a ForkEvent
@@ -288,6 +304,8 @@ class ControlledRun:
                 return
             pre = state.get("pre") or {}
             if pre.get("suspend"):
+                for event in self._flush():  # a waiting branch's last token is not held back
+                    yield event
                 state = await self._wait()
                 continue
             if pre.get("num_forks", 1) > 1:
@@ -316,22 +334,24 @@ class ControlledRun:
             last: TokenEvent | None = None
             ids = self.prompt_ids + self.out
             binds, cached = self.binds, 0
-            async for event in self.run_segment(ids, self.max_tokens - len(self.out), binding,
-                                                segment):
-                if isinstance(event, ErrorEvent):
-                    for out in self._flush():
+            events = self.run_segment(ids, self.max_tokens - len(self.out), binding, segment)
+            # closed at once when this branch is cancelled: the engine aborts the request
+            async with aclosing(events):  # type: ignore[type-var]
+                async for event in events:
+                    if isinstance(event, ErrorEvent):
+                        for out in self._flush():
+                            yield out
+                        yield event
+                        return
+                    if isinstance(event, FinalEvent):  # prompt tokens from vLLM's prefix cache
+                        cached = event.usage.cached_tokens
+                    if not isinstance(event, TokenEvent):
+                        continue
+                    if event.last:  # the segment's last token: kept or dropped below
+                        last = event
+                        continue
+                    for out in self._hold(event):
                         yield out
-                    yield event
-                    return
-                if isinstance(event, FinalEvent):  # prompt tokens from vLLM's prefix cache
-                    cached = event.usage.cached_tokens
-                if not isinstance(event, TokenEvent):
-                    continue
-                if event.last:  # the segment's last token: kept or dropped below
-                    last = event
-                    continue
-                for out in self._hold(event):
-                    yield out
             # resubmissions rely on the prefix cache (whole blocks: 128 tokens on CPUs)
             log.debug("%s: segment of %d prompt tokens, %d from the prefix cache", self.req_id,
                       len(ids), cached)
@@ -370,8 +390,8 @@ class ControlledRun:
         """Copies of this branch as branches of their own: the held token goes out first, so
         each copy starts from the output as its ForkEvent finds it."""
         indices = [next(self.family.indices) for _ in range(n - 1)]
-        root = self.req_id.split(".f")[0]
-        into = [f"{root}.f{i}" for i in indices]
+        into = [f"{self.family.root}.f{i}" for i in indices]
+        self.family.unreleased.update(into)  # released at the end whatever happens now
         await self._side("fork", req_id=self.req_id, into=into)
         events: list[Event] = [*self._flush()]
         for index, req_id in zip(indices, into, strict=True):

@@ -15,7 +15,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from protocols.aici.encode import RunMeta, run_objects, sse
+from protocols.aici.encode import DEADLOCK, RunMeta, run_objects, sse
 from protocols.aici.errors import APIError, from_event
 from protocols.aici.schemas import RunRequest, TagsRequest, decode
 from protocols.aici.tags import MAX_USER_TAGS, LocalTagStore, TagStore, check_tags, tag_info
@@ -123,9 +123,11 @@ async def run(request: Request) -> StreamingResponse:
         output=OutputOptions(splices="full"), controller=controller)
     peeked = await peek(engine.generate(internal))
     error = peeked.error
-    # A controller that fails to start is reported in the stream ("fail"), as AICI does;
+    # A controller that fails to start (or deadlocks before any output) is reported in the
+    # stream ("fail" / "deadlock"), as AICI does;
     # anything else (overload, no replica) is an HTTP status.
-    if error is not None and not (error.kind == "validation" and error.param == "controller"):
+    if error is not None and not (error.kind == "validation"
+                                  and error.param in ("controller", DEADLOCK)):
         raise from_event(error)
     meta = RunMeta(id=run_id, model=name, created=int(time.time()), prompt_tokens=len(ids),
                    controlled=controller is not None)

@@ -200,6 +200,9 @@ def test_forks_that_all_wait_end_in_a_deadlock(aici):
     assert [(f["index"], f["finish_reason"]) for f in last] == [(0, "deadlock"),
                                                                 (1, "deadlock")]
     assert result["text"] == ["Hi", "Hi"]
+    # a deadlock before any output is still a stream (not an HTTP error), as in AICI
+    alone = _query(aici, "", [ast.wait_vars("x")])
+    assert [f["finish_reason"] for f in alone["response"][-1]["forks"]] == ["deadlock"]
 
 
 def test_inner_1(aici):

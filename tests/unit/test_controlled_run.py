@@ -447,3 +447,25 @@ def test_closing_a_forked_stream_aborts_every_branch_and_releases_every_controll
     assert model.open == 0 and model.aborted >= 2  # every running segment was closed
     assert side.ops.count("release") == 3  # the request's controller and both forks'
     assert rt._live == {}
+
+
+def test_forks_a_protocol_refuses_are_released_though_their_branches_never_start():
+    """The host ends a stream at a ForkEvent its protocol cannot show (an OpenAI stream):
+    the copies the runtime made are released all the same."""
+    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits(step_s=1.0))
+    side, model = _Side(rt), _SlowModel(rt, [5, 6])
+    req = GenerateRequest(request_id="r.fx", model="m", prompt=TextPrompt(text="p"),
+                          sampling=Sampling(max_tokens=50),
+                          controller=ControllerSpec(module="scripted", arg="forks=3 branch-ff"))
+    run = ControlledRun(req, [9], 50, side, _Tok(), EOS, model.segment)
+
+    async def until_the_first_fork():
+        stream = run.stream()
+        async for event in stream:
+            if isinstance(event, ForkEvent):
+                break
+        await stream.aclose()
+
+    asyncio.run(until_the_first_fork())
+    assert side.ops.count("release") == 3 and rt._live == {}
+    assert model.open == 0

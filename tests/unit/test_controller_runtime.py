@@ -533,3 +533,28 @@ def test_a_suspended_sequence_in_the_engine_is_asked_again_every_step():
     rt._seqs[3].ctx.variables.write("go", b"1", append=False)
     assert _step(rt)["pre_seqs"]["3"]["result"]["suspend"] is False
     assert "3" not in _step(rt)["pre_seqs"]  # no longer owed until a post
+
+
+def test_the_seeds_clones_each_learn_their_branch_with_three_or_more():
+    """Every copy is made before the parent is told it is branch 0 (a parent told first
+    would have left its fork step when the next copy is made)."""
+    rt = _runtime(max_forks=4)
+    _instantiate(rt, "run-c", "forks=3 branch-ff")
+    assert _step(rt, pre_ops=[{"id": 1, "req_id": "run-c"}])["pre_seqs"]["1"]["result"][
+        "num_forks"] == 3
+    mid = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 5, "clone_id": 1},
+                                                       {"id": 6, "clone_id": 1}]})
+    assert all(not r["error"] for r in mid["data"]["seqs"].values()), mid
+    data = _step(rt, post_ops=[{"id": i, "tokens": [7], "backtrack": 0} for i in (1, 5, 6)])
+    assert [data["pre_seqs"][str(i)]["result"]["ff_tokens"] for i in (1, 5, 6)] == [
+        [100], [101], [102]]
+
+
+def test_the_fork_op_counts_forks_siblings_made_meanwhile():
+    rt = _runtime(max_forks=3)
+    _instantiate(rt, "run-l", "forks=3")
+    assert _advance(rt, "run-l")["pre"]["num_forks"] == 3  # 3 <= 3 when it asked
+    rt._live["run-l"].family.add("run-l.sibling")  # a sibling branch forked since
+    answer = _fork(rt, "run-l", ["run-l.1", "run-l.2"])
+    assert answer["type"] == "error" and "exceed the limit of 3" in answer["error"]
+    assert "run-l.1" not in rt._live
