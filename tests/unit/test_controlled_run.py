@@ -434,13 +434,18 @@ class _SlowModel(_Model):
             self.aborted += not finished
 
 
-def test_closing_a_forked_stream_aborts_every_branch_and_releases_every_controller():
+def _forking_run(request_id: str):
+    """A run whose controller forks into 3 at once, over a model that yields step by step."""
     rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits(step_s=1.0))
     side, model = _Side(rt), _SlowModel(rt, [5, 6])
-    req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
+    req = GenerateRequest(request_id=request_id, model="m", prompt=TextPrompt(text="p"),
                           sampling=Sampling(max_tokens=50),
                           controller=ControllerSpec(module="scripted", arg="forks=3 branch-ff"))
-    run = ControlledRun(req, [9], 50, side, _Tok(), EOS, model.segment)
+    return rt, side, model, ControlledRun(req, [9], 50, side, _Tok(), EOS, model.segment)
+
+
+def test_closing_a_forked_stream_aborts_every_branch_and_releases_every_controller():
+    rt, side, model, run = _forking_run("r")
 
     async def consume_a_little():
         seen = []
@@ -462,12 +467,7 @@ def test_closing_a_forked_stream_aborts_every_branch_and_releases_every_controll
 def test_forks_a_protocol_refuses_are_released_though_their_branches_never_start():
     """The host ends a stream at a ForkEvent its protocol cannot show (an OpenAI stream):
     the copies the runtime made are released all the same."""
-    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits(step_s=1.0))
-    side, model = _Side(rt), _SlowModel(rt, [5, 6])
-    req = GenerateRequest(request_id="r.fx", model="m", prompt=TextPrompt(text="p"),
-                          sampling=Sampling(max_tokens=50),
-                          controller=ControllerSpec(module="scripted", arg="forks=3 branch-ff"))
-    run = ControlledRun(req, [9], 50, side, _Tok(), EOS, model.segment)
+    rt, side, model, run = _forking_run("r.fx")  # ".f" as in the forks' own ids
 
     async def until_the_first_fork():
         stream = run.stream()
