@@ -22,10 +22,12 @@ bound: a runtime that does not answer costs a timeout, never a hung engine step.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -388,6 +390,13 @@ class SideClient:
         self._lock = threading.Lock()  # guards _pending and the order of sends
         self._reader = threading.Thread(target=self._read, name="aici-side-reader", daemon=True)
         self._reader.start()
+        # The bound on each answer: one thread over a heap of deadlines (a timer thread per
+        # request cost a thread start per instantiate / advance / release), so nothing polls.
+        self._deadlines: list[tuple[float, str, str, float]] = []
+        self._due = threading.Condition()
+        self._expirer = threading.Thread(target=self._expire_due, name="aici-side-timeouts",
+                                         daemon=True)
+        self._expirer.start()
 
     def request(self, op: str, auth: dict | None = None, timeout: float = 10.0,
                 **fields: Any) -> Future:
@@ -408,22 +417,29 @@ class SideClient:
             except BaseException:
                 self._pending.pop(rid, None)
                 raise
-        # The bound on the answer: a timer, so nothing polls.
-        timer = threading.Timer(timeout, self._expire, (rid, op, timeout))
-        timer.daemon = True
-        timer.start()
-        fut.add_done_callback(lambda _: timer.cancel())
+        with self._due:
+            heapq.heappush(self._deadlines, (time.monotonic() + timeout, rid, op, timeout))
+            if self._deadlines[0][1] == rid:  # the earliest now: the expirer waits less
+                self._due.notify()
         return fut
 
     def call(self, op: str, auth: dict | None = None, timeout: float = 10.0, **fields: Any) -> Any:
         """:meth:`request`, waiting for the answer."""
         return self.request(op, auth, timeout, **fields).result()
 
-    def _expire(self, rid: str, op: str, timeout: float) -> None:
-        with self._lock:
-            fut = self._pending.pop(rid, None)
-        if fut is not None:
-            fut.set_exception(ChannelTimeout(f"side {op!r} not answered within {timeout} s"))
+    def _expire_due(self) -> None:
+        while True:
+            with self._due:
+                while not self._deadlines or self._deadlines[0][0] > time.monotonic():
+                    wait = self._deadlines[0][0] - time.monotonic() if self._deadlines else None
+                    self._due.wait(wait)
+                _, rid, op, timeout = heapq.heappop(self._deadlines)
+            if not rid:  # closed
+                return
+            with self._lock:
+                fut = self._pending.pop(rid, None)  # None: answered (or closed) already
+            if fut is not None:
+                fut.set_exception(ChannelTimeout(f"side {op!r} not answered within {timeout} s"))
 
     def _read(self) -> None:
         while True:
@@ -457,6 +473,10 @@ class SideClient:
         self._cmd.close()
         self._resp.close()
         self._reader.join(5)
+        with self._due:
+            self._deadlines = [(0.0, "", "", 0.0)]  # the expirer's signal to stop
+            self._due.notify()
+        self._expirer.join(5)
 
 
 class SideServer(_ServerEnd):

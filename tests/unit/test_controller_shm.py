@@ -424,3 +424,25 @@ def test_closing_wakes_a_blocked_reader_at_once(prefix):
     assert not client._reader.is_alive()
     with pytest.raises(ChannelClosed):
         client.request("get_tags", timeout=1)
+
+
+def test_a_side_request_times_out_on_its_own_bound_behind_a_longer_one(prefix):
+    """One thread keeps every request's deadline: a short one queued behind a long one still
+    fires on time, and an answered request never times out."""
+    def handler(request, reply):
+        if request["op"] == "ping":
+            reply(ok_reply({"pong": 1}))  # the others are never answered
+
+    client, server, thread = _side_pair(prefix, handler)
+    try:
+        slow = client.request("get_tags", timeout=30)
+        answered = client.request("ping", timeout=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(ChannelTimeout, match=r"within 0\.3 s"):
+            client.call("get_tags", timeout=0.3)
+        assert time.monotonic() - t0 < 2
+        assert answered.result(1) == {"pong": 1} and not slow.done()
+    finally:
+        server.close()
+        client.close()
+        thread.join(5)
