@@ -1,9 +1,16 @@
 """The per-step controller hook inside vLLM: a logits processor that speaks the seed's main channel.
 
-vLLM's x86 CPU build runs the V1 model runner, whose logits-processor interface this implements
-(``vllm.v1.sample.logits_processor.LogitsProcessor``; ``../shared/specs/aici.md`` §8.1). Once
-per engine step, in ``apply()``, one round trip (the runtime's ``step``: the seed's two phases
-in one command, as AICI's ABI v2 merged them):
+One class serves both of vLLM's logits-processor interfaces (``../shared/specs/aici.md`` §8.1),
+so whichever model runner vLLM picks loads it from the one name: the V1 runner's
+(``vllm.v1.sample.logits_processor.LogitsProcessor``: ``__init__(config, device, pin)``,
+``update_state`` with added / removed / moved rows and vLLM's live output lists; vLLM's x86 CPU
+build runs this one) and Model Runner V2's (``vllm.v1.worker.gpu.sample.logits_processor``:
+``__init__(config, req_states)``, ``add_request(slot, params)``, ``apply(logits, ctx)``; the
+GPU default). Under MRV2 a row's new token is the one the step feeds (``ctx.input_ids``, at a
+position past the prompt); a slot's previous request is reported freed when the slot is
+reused (MRV2 has no removal callback; the frontend's ``advance`` takes a finished segment's
+controller back anyway). Once per engine step, in ``apply()``, one round trip (the runtime's
+``step``: the seed's two phases in one command, as AICI's ABI v2 merged them):
 
 1. ``post_pre_process``: the tokens each controlled row gained since the last step
    (``post_ops``), rows new to the batch bound to their instantiated controller by ``req_id``
@@ -32,6 +39,7 @@ import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from engines.controllers.shm import (
     BiasMatrix,
@@ -80,8 +88,11 @@ class _Row:
     ending: bool = False
 
 
-class ControllerLogitsProcessor(LogitsProcessor):
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
+    def __init__(self, vllm_config, *runner_args) -> None:
+        # V1: (device, is_pin_memory); MRV2: (req_states,)
+        self._req_states = runner_args[0] if len(runner_args) == 1 else None
+        self._slots: dict[int, _Row] = {}  # MRV2: request slot → its row
         extra = getattr(vllm_config, "additional_config", None) or {}
         prefix = extra.get("aici_prefix") if isinstance(extra, dict) else None
         self._rows: dict[int, _Row] = {}
@@ -129,7 +140,50 @@ class ControllerLogitsProcessor(LogitsProcessor):
         if row is not None and row.bound:
             self._freed.append(row.seq)
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+    # --- Model Runner V2 ----------------------------------------------------------------------
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        old = self._slots.pop(req_idx, None)
+        if old is not None and old.bound:  # the slot's previous request is gone
+            self._freed.append(old.seq)
+        spec = parse_row_spec(sampling_params)
+        if spec is None:
+            return False
+        stop = (sampling_params.stop_token_ids or [None])[0]
+        self._slots[req_idx] = _Row(spec["seq"], spec["req_id"], [], stop)
+        return True
+
+    def _v2_rows(self, logits: torch.Tensor, ctx) -> None:
+        """This step's batch rows of controlled slots, each given the token the step feeds
+        when it is an output token (sampled last step)."""
+        slots = [int(s) for s in ctx.idx_mapping_np]
+        self._rows = {}
+        if not self._slots:
+            return
+        if logits.shape[0] != len(slots):  # a row per draft token: speculative decoding
+            raise RuntimeError("controllers do not run with speculative decoding")
+        feeds = [(i, slot) for i, slot in enumerate(slots) if slot in self._slots]
+        if not feeds:
+            return
+        rows = torch.tensor([i for i, _ in feeds], dtype=torch.long, device=ctx.input_ids.device)
+        tokens = ctx.input_ids[rows].tolist()
+        positions = ctx.pos[rows].tolist()
+        prompt_len = self._req_states.prompt_len.np
+        for (i, slot), token, pos in zip(feeds, tokens, positions, strict=True):
+            row = self._slots[slot]
+            if pos >= int(prompt_len[slot]) and pos - int(prompt_len[slot]) == len(row.output):
+                row.output.append(int(token))
+            self._rows[i] = row
+
+    def apply(self, logits: torch.Tensor, ctx=None) -> torch.Tensor:
+        if ctx is not None:  # MRV2
+            try:
+                self._v2_rows(logits, ctx)
+            except RuntimeError as exc:  # every row of a controlled request ends
+                mapping = [int(s) for s in ctx.expanded_idx_mapping.tolist()]
+                self._rows = {i: self._slots[s] for i, s in enumerate(mapping)
+                              if s in self._slots}
+                return self._end(logits, list(self._rows), str(exc))
         if not self._rows and not self._freed:
             return logits
         if self._main is None or self._dead:

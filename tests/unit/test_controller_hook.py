@@ -181,3 +181,81 @@ def test_a_bitmask_becomes_exactly_its_allowed_tokens_and_leaves_their_logits_al
     assert _allowed(out[1]) == torch.nonzero(wanted).flatten().tolist()
     assert torch.equal(out[1, :VOCAB][wanted], before[1, :VOCAB][wanted])
     assert torch.equal(out[0], before[0])
+
+
+# --- Model Runner V2 (vLLM's GPU default): the same class, driven through MRV2's interface ---
+
+HOOK = "engines.vllm.controller_hook:ControllerLogitsProcessor"
+
+
+def test_both_of_vllms_loaders_accept_the_one_hook_name():
+    from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
+
+    assert _load_logitsprocs_by_fqcns([HOOK]) == [ControllerLogitsProcessor]
+    assert _load_v2_logitsprocs_by_fqcns([HOOK]) == [ControllerLogitsProcessor]
+
+
+class _MRV2:
+    """What MRV2 hands a logits processor: request slots, and per step vLLM's own
+    ``LogitsContext`` (batch row → slot, the token each row feeds and its position)."""
+
+    def __init__(self, prefix, max_reqs=4):
+        self.prompt_len = np.zeros(max_reqs, dtype=np.int32)
+        req_states = SimpleNamespace(prompt_len=SimpleNamespace(np=self.prompt_len))
+        cfg = SimpleNamespace(additional_config={"aici_prefix": prefix})
+        self.lp = ControllerLogitsProcessor(cfg, req_states)
+
+    def add(self, slot, params, prompt_len):
+        self.prompt_len[slot] = prompt_len
+        return self.lp.add_request(slot, params)
+
+    def step(self, batch, extra_rows=0):
+        """``batch``: (slot, fed token, position) per row, in row order."""
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
+
+        slots = [s for s, _, _ in batch]
+        rows = torch.tensor(slots + slots[:extra_rows], dtype=torch.int32)
+        ctx = LogitsContext(
+            expanded_idx_mapping=rows, idx_mapping=torch.tensor(slots, dtype=torch.int32),
+            idx_mapping_np=np.array(slots, dtype=np.int32),
+            expanded_local_pos=torch.zeros(len(rows), dtype=torch.int32),
+            input_ids=torch.tensor([t for _, t, _ in batch] + [0] * extra_rows),
+            pos=torch.tensor([p for _, _, p in batch] + [0] * extra_rows),
+            seq_lens_upper_bound_np=np.array([p + 1 for _, _, p in batch]))
+        return self.lp.apply(torch.randn(len(rows), VOCAB), ctx)
+
+
+def test_under_mrv2_fed_tokens_reach_the_controller_and_masks_follow_the_slots(runtime):
+    runtime.instantiate("run-v2", "stop-after=2")
+    runtime.instantiate("run-m", "allow=5")
+    mr = _MRV2(runtime.prefix)
+    assert mr.add(2, _params(7, "run-v2"), prompt_len=3) is True
+    assert mr.add(0, _params(), prompt_len=3) is False  # not controlled: MRV2 may skip it
+    assert mr.add(1, _params(8, "run-m"), prompt_len=2) is True
+    # first step: every row feeds its last prompt token (no output yet)
+    out = mr.step([(0, 4, 2), (2, 4, 2), (1, 4, 1)])
+    assert len(_allowed(out[1])) == VOCAB and _allowed(out[2]) == [5]
+    assert runtime.rt._seqs[7].controller.seen == []
+    # rows reordered; each feeds the token it sampled last step
+    out = mr.step([(1, 5, 2), (2, 9, 3), (0, 6, 3)])
+    assert _allowed(out[0]) == [5] and len(_allowed(out[2])) == VOCAB
+    assert runtime.rt._seqs[7].controller.seen == [9]
+    out = mr.step([(2, 10, 4), (1, 5, 3)])
+    assert _allowed(out[0]) == [STOP]  # stopped after 2 tokens: its row ends on its stop
+    assert runtime.rt._seqs[7].controller.seen == [9, 10]
+    # the slot is reused: its previous request is reported freed
+    runtime.instantiate("run-next", "")
+    mr.add(2, _params(11, "run-next"), prompt_len=5)
+    mr.step([(2, 1, 4)])
+    assert 7 not in runtime.rt._seqs and 11 in runtime.rt._seqs
+
+
+def test_under_mrv2_speculative_rows_end_the_controlled_requests(runtime):
+    runtime.instantiate("run-sd", "allow=5")
+    mr = _MRV2(runtime.prefix)
+    mr.add(1, _params(3, "run-sd"), prompt_len=2)
+    mr.add(0, _params(), prompt_len=2)
+    out = mr.step([(0, 4, 1), (1, 4, 1)], extra_rows=2)  # one draft row per request
+    assert _allowed(out[1]) == [STOP] and _allowed(out[3]) == [STOP]
+    assert len(_allowed(out[0])) == VOCAB
