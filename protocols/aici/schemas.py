@@ -50,5 +50,6 @@ class TagsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def decode(body: bytes, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError,
+            RecursionError) as exc:  # msgspec reports invalid UTF-8 as UnicodeDecodeError
         raise APIError(400, f"invalid request body: {exc}") from None

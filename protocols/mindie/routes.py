@@ -34,7 +34,8 @@ def _resolve(request: Request, model: str) -> tuple[str, EngineClient]:
 async def _start(request: Request, model: str, stream: bool):
     try:
         body = msgspec.json.decode(await request.body())
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        # (msgspec reports invalid UTF-8 inside a string as UnicodeDecodeError)
         raise EnvelopeError(422, f"Invalid JSON body: {exc}", "validation") from None
     name, engine = _resolve(request, model)
     info = await request.app.state.registry.info(name)

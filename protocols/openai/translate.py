@@ -53,7 +53,7 @@ def decode_body(raw: bytes | dict, schema: type[T]) -> T:
         return msgspec.json.decode(raw, type=schema)
     except msgspec.ValidationError as exc:
         raise OpenAIError(400, f"invalid request: {exc}", _param_of(exc)) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # invalid UTF-8: the latter
         raise OpenAIError(400, f"malformed JSON body: {exc}") from None
     except RecursionError:
         raise OpenAIError(400, "malformed JSON body: nesting too deep") from None

@@ -76,7 +76,8 @@ class Generation:
 def decode_json(data: bytes) -> Any:
     try:
         return msgspec.json.decode(data)
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        # (msgspec reports invalid UTF-8 inside a string as UnicodeDecodeError)
         raise InvalidParameters(f"invalid JSON body: {exc}") from None
 
 

@@ -162,3 +162,13 @@ def test_no_lmtp_frame_breaks_the_connection(client):
                     return
 
         fuzz()
+
+
+@pytest.mark.parametrize("path", [*ROUTES, "/v1/run", "/v1/controllers/tags"])
+@pytest.mark.parametrize("body", [b'"\x80"', b'{"prompt": "\xff\xfe", "inputs": "\xc3"}'])
+def test_invalid_utf8_inside_json_strings_is_a_client_error_in_shape(client, path, body):
+    """msgspec reports invalid UTF-8 inside a string as UnicodeDecodeError (not DecodeError):
+    a 500 on MindIE's generate before this was caught by the fuzzer above."""
+    response = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    assert "Traceback" not in response.text and "UnicodeDecodeError" not in response.text
