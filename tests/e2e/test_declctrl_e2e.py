@@ -151,7 +151,35 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(str(prepare_embedded_model(progress=False)))
 
 
-def test_fork_1(aici, engine_handle, hf_tokenizer):
+def _greedy_or_near_tie(openai_client, engine_handle, hf_tokenizer, ids: list[int], text: str,
+                        max_tokens: int, tolerance: float) -> None:
+    """``text`` is vLLM's own greedy continuation of ``ids`` (``reference_greedy``), or leaves
+    it only where the two best tokens are within ``tolerance``: forks run in one batch, the
+    reference alone, and bf16 CPU kernels are not batch-invariant (the same near-tie rule as
+    tests/e2e/test_openai_e2e.py's concurrent streams)."""
+    from tests.e2e.conftest import MODEL
+
+    reference = engine_handle.reference_greedy.remote(ids, max_tokens).result()
+    if text == reference.text:
+        return
+    # the longest run of reference tokens whose text the fork's text starts with
+    k = 0
+    while k < len(reference.token_ids) and text.startswith(
+            hf_tokenizer.decode(reference.token_ids[:k + 1])):
+        k += 1
+    assert k < len(reference.token_ids), (text, reference.text)
+    kept = reference.token_ids[:k]
+    top = openai_client.completions.create(model=MODEL, prompt=ids + kept, max_tokens=1,
+                                           temperature=0, logprobs=5).choices[0].logprobs
+    alternatives = top.top_logprobs[0]
+    rest = text[len(hf_tokenizer.decode(kept)):]
+    taken = max((t for t in alternatives if t and rest.startswith(t)), key=len, default=None)
+    assert taken is not None, (text, reference.text, alternatives)
+    assert max(alternatives.values()) - alternatives[taken] <= tolerance, (
+        text, reference.text, alternatives)
+
+
+def test_fork_1(aici, engine_handle, hf_tokenizer, openai_client, logprob_tolerance):
     prefix, langs = "The word 'hello' in", [" French is", " Spanish is"]
     result = _query(aici, "", [
         ast.fixed(prefix),
@@ -167,8 +195,9 @@ def test_fork_1(aici, engine_handle, hf_tokenizer):
     encode = lambda text: hf_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     for text, lang in zip(texts, langs, strict=True):
         ids = [hf_tokenizer.eos_token_id, *encode(prefix), *encode(lang)]
-        reference = engine_handle.reference_greedy.remote(ids, 5).result()
-        assert text == prefix + lang + reference.text, (text, reference.text)
+        assert text.startswith(prefix + lang), text
+        _greedy_or_near_tie(openai_client, engine_handle, hf_tokenizer, ids,
+                            text[len(prefix + lang):], 5, logprob_tolerance)
 
 
 def test_wait_1(aici):
@@ -233,7 +262,7 @@ def test_what_this_engine_refuses_fails_the_run_with_a_clear_error(aici, steps, 
 
 
 def test_forks_are_extra_choices_of_a_whole_openai_response_and_refused_in_a_stream(
-        openai_client, engine_handle, hf_tokenizer):
+        openai_client, engine_handle, hf_tokenizer, logprob_tolerance):
     """The same fork through the openai SDK: a whole response applies it as an extra choice
     (each equal to vLLM's own greedy pass over its prefix); a stream, which cannot open a
     choice it was not asked for, ends with an error saying so."""
@@ -251,8 +280,9 @@ def test_forks_are_extra_choices_of_a_whole_openai_response_and_refused_in_a_str
     prompt_ids = engine_handle.reference_greedy.remote(prompt, 1).result().prompt_token_ids
     for choice, lang in zip(whole.choices, langs, strict=True):
         ids = prompt_ids + hf_tokenizer.encode(lang, add_special_tokens=False)
-        reference = engine_handle.reference_greedy.remote(ids, 4).result()
-        assert choice.text == lang + reference.text, (choice.text, reference.text)
+        assert choice.text.startswith(lang), choice.text
+        _greedy_or_near_tie(openai_client, engine_handle, hf_tokenizer, ids,
+                            choice.text[len(lang):], 4, logprob_tolerance)
         assert choice.finish_reason == "stop"
     with pytest.raises(openai.APIError, match="forked into a new choice"):
         for _ in openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
