@@ -37,6 +37,7 @@ __all__ = [
     "ChatPrompt",
     "ControllerSpec",
     "ControllerTag",
+    "DEADLOCK",
     "ControllerSupport",
     "EngineClient",
     "EngineStats",
@@ -288,6 +289,10 @@ class ErrorEvent(_Frozen, tag="error", kw_only=True):
     kind: ErrorKind
     message: str
     param: str | None = None
+
+
+# ErrorEvent.param of a controlled run whose branches are all suspended (AICI's "deadlock")
+DEADLOCK = "deadlock"
 
 
 Event = PromptEvent | TokenEvent | BacktrackEvent | ForkEvent | FinalEvent | ErrorEvent

@@ -271,16 +271,13 @@ class ControllerRuntime:
             if parent is None:
                 seqs[str(seq_id)] = _record(None, None, f"unknown parent {clone_id}", 0)
                 continue
-            ctx = parent.ctx.forked()
-            child = _Seq(parent.req_id, parent.controller.fork(ctx), ctx, parent.forks,
-                         parent.family)
+            child = _copy(parent, parent.req_id)
             child.bound_to = seq_id
             parent.forks.append(seq_id)
             self._seqs[seq_id] = child
             clones.setdefault(int(clone_id), []).append(child)
         for parent_id, group in clones.items():
-            for index, branch in enumerate([self._seqs[parent_id], *group]):
-                _tell_branch(branch, index)
+            _tell_branches(self._seqs[parent_id], group)
         for i, op in enumerate(ops):
             seq_id = int(op["id"])
             if str(seq_id) in seqs:  # its parent was unknown
@@ -467,10 +464,7 @@ class ControllerRuntime:
         if seq.failed or seq.stopped or asked != len(into) + 1:
             return error_reply(f"controller {seq.req_id!r} did not ask for {len(into) + 1} "
                                f"forks", is_user_error=True)
-        children = []
-        for req_id in into:
-            ctx = seq.ctx.forked()
-            children.append(_Seq(req_id, seq.controller.fork(ctx), ctx, seq.forks, seq.family))
+        children = [_copy(seq, req_id) for req_id in into]
         with self._lock:  # checked and taken at once: sibling branches may fork meanwhile
             if any(r in self._live for r in into):
                 return error_reply("a req_id in 'into' is already instantiated",
@@ -483,8 +477,8 @@ class ControllerRuntime:
             for child in children:
                 self._live[child.req_id] = child
                 seq.family.add(child.req_id)
-        for index, branch in enumerate([seq, *children]):
-            _tell_branch(branch, index)
+        _tell_branches(seq, children)
+        for branch in (seq, *children):
             branch.need_pre, branch.last_pre = True, None
         return ok_reply({"forks": into})
 
@@ -579,12 +573,20 @@ def _live_forks(seq: _Seq) -> int:
     return max(len(seq.forks), len(seq.family))
 
 
-def _tell_branch(seq: _Seq, index: int) -> None:
-    """``Controller.forked``; a controller that fails at it fails its own branch only."""
-    try:
-        seq.controller.forked(index)
-    except Exception as exc:
-        seq.failed = f"{type(exc).__name__}: {exc}"
+def _copy(parent: _Seq, req_id: str) -> _Seq:
+    """A fork of ``parent``: its controller copied, sharing its variables and fork counts."""
+    ctx = parent.ctx.forked()
+    return _Seq(req_id, parent.controller.fork(ctx), ctx, parent.forks, parent.family)
+
+
+def _tell_branches(parent: _Seq, children: list[_Seq]) -> None:
+    """``Controller.forked`` once every copy is made (the parent is branch 0 and leaves its
+    fork step when told); a controller that fails at it fails its own branch only."""
+    for index, seq in enumerate([parent, *children]):
+        try:
+            seq.controller.forked(index)
+        except Exception as exc:
+            seq.failed = f"{type(exc).__name__}: {exc}"
 
 
 _DEFAULTS = frozenset({Controller.pre_process, Controller.mid_process, Controller.post_process})

@@ -52,6 +52,7 @@ from engines.controllers.shm import (
     wants_edit,
 )
 from protocols.internal import (
+    DEADLOCK,
     BacktrackEvent,
     ErrorEvent,
     ErrorKind,
@@ -72,7 +73,6 @@ SIDE_TIMEOUT_S = 10.0
 RUNAWAY_FACTOR = 4
 WAIT_POLL_S = 0.25  # a suspended branch asks again at least this often
 QUEUE_EVENTS = 64  # events buffered from a forked run's branches
-DEADLOCK = "deadlock"  # ErrorEvent.param when every branch is suspended (AICI's finish reason)
 _seq_ids = itertools.count(1)
 
 
@@ -103,7 +103,7 @@ class _Family:
         self.waiting: set[int] = set()  # branch indices asleep in _wait since the last bump
         self.changed = asyncio.Event()
         self.indices = itertools.count(1)
-        self.ready: dict[int, tuple[ControlledRun, dict | None]] = {}  # forked, not started
+        self.ready: dict[int, ControlledRun] = {}  # forked, not started (their pre is owed)
 
     def bump(self) -> None:
         self.version += 1
@@ -264,8 +264,7 @@ class ControlledRun:
                 await queue.put(exc)
 
         def start(index: int) -> None:
-            branch, state = self.family.ready.pop(index)
-            tasks.append(asyncio.create_task(pump(branch._branch(state))))
+            tasks.append(asyncio.create_task(pump(self.family.ready.pop(index)._branch(None))))
 
         try:
             tasks.append(asyncio.create_task(pump(root)))
@@ -399,7 +398,7 @@ class ControlledRun:
             child.index, child.req_id = index, req_id
             child.out, child.texts = list(self.out), list(self.texts)
             child.logs, child.storage, child.cached, child.binds = [], [], 0, 0
-            self.family.ready[index] = (child, None)
+            self.family.ready[index] = child
             self.family.live += 1
             events.append(ForkEvent(index=index, parent=self.index))
         return events

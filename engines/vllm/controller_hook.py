@@ -88,6 +88,14 @@ class _Row:
     ending: bool = False
 
 
+def _row_of(params: SamplingParams, output: list[int]) -> _Row | None:
+    """A controlled request's row (its first stop token id is its EOS), or None."""
+    spec = parse_row_spec(params)
+    if spec is None:
+        return None
+    return _Row(spec["seq"], spec["req_id"], output, (params.stop_token_ids or [None])[0])
+
+
 class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
     def __init__(self, vllm_config, *runner_args) -> None:
         # V1: (device, is_pin_memory); MRV2: (req_states,)
@@ -120,10 +128,9 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
             self._free(index)
         for index, params, _prompt, output in batch_update.added:
             self._free(index)  # an added request may replace one at the same index
-            spec = parse_row_spec(params) if params is not None else None
-            if spec is not None:
-                stop = (params.stop_token_ids or [None])[0]
-                self._rows[index] = _Row(spec["seq"], spec["req_id"], output, stop)
+            row = _row_of(params, output) if params is not None else None
+            if row is not None:
+                self._rows[index] = row
         for a, b, direction in batch_update.moved:
             row_a = self._rows.pop(a, None)
             row_b = self._rows.pop(b, None)
@@ -146,11 +153,10 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
         old = self._slots.pop(req_idx, None)
         if old is not None and old.bound:  # the slot's previous request is gone
             self._freed.append(old.seq)
-        spec = parse_row_spec(sampling_params)
-        if spec is None:
+        row = _row_of(sampling_params, [])
+        if row is None:
             return False
-        stop = (sampling_params.stop_token_ids or [None])[0]
-        self._slots[req_idx] = _Row(spec["seq"], spec["req_id"], [], stop)
+        self._slots[req_idx] = row
         return True
 
     def _v2_rows(self, logits: torch.Tensor, ctx) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from protocols.internal import (
+    DEADLOCK,
     BacktrackEvent,
     ErrorEvent,
     Event,
@@ -31,7 +32,6 @@ from protocols.internal import (
 __all__ = ["BACKTRACK_MARK", "RunMeta", "finish_reason", "run_objects", "sse"]
 
 BACKTRACK_MARK = " ↩ "
-DEADLOCK = "deadlock"  # ErrorEvent.param of a run whose forks are all suspended
 
 
 class RunMeta(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,12 +15,13 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from protocols.aici.encode import DEADLOCK, RunMeta, run_objects, sse
+from protocols.aici.encode import RunMeta, run_objects, sse
 from protocols.aici.errors import APIError, from_event
 from protocols.aici.schemas import RunRequest, TagsRequest, decode
 from protocols.aici.tags import MAX_USER_TAGS, LocalTagStore, TagStore, check_tags, tag_info
 from protocols.controllers import controller_spec
 from protocols.internal import (
+    DEADLOCK,
     ControllerSpec,
     EngineClient,
     GenerateRequest,
