@@ -48,7 +48,14 @@ REGEX = {"grammar": {"grammars": [{"lark_grammar": "start: /[a-z ,.]{300,}/"}]}}
 
 async def _one(engine, i: int, case: str, max_tokens: int) -> tuple[int, float, float]:
     from engines.base import Admitted
-    from protocols.internal import ControllerSpec, GenerateRequest, Sampling, TextPrompt, TokenEvent
+    from protocols.internal import (
+        ControllerSpec,
+        ErrorEvent,
+        GenerateRequest,
+        Sampling,
+        TextPrompt,
+        TokenEvent,
+    )
 
     controller = {"plain": None, "none": ControllerSpec(module="none"),
                   "regex": ControllerSpec(module="llguidance", arg=json.dumps(REGEX))}[case]
@@ -64,6 +71,9 @@ async def _one(engine, i: int, case: str, max_tokens: int) -> tuple[int, float, 
         if isinstance(event, TokenEvent):
             tokens += 1
             ttft = ttft or time.perf_counter() - t0
+        elif isinstance(event, ErrorEvent):  # a stream cut short is reported, not hidden
+            print(f"{case} stream {i} failed after {tokens} tokens: {event.message}",
+                  file=sys.stderr, flush=True)
     tpot = (time.perf_counter() - t0 - ttft) / max(tokens - 1, 1)
     return tokens, ttft, tpot
 

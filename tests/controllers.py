@@ -24,7 +24,8 @@ class FakeTokenizer:
 
 class Scripted(Controller):
     """arg = JSON-free mini script: ``allow=5`` (only token 5), ``ff=1,2``, ``forks=2``,
-    ``stop-after=3``, ``slow-mid=0.2``, ``slow-post=0.2``, ``raise-mid``, ``var=x``,
+    ``stop-after=3``, ``slow-mid=0.2`` (sleeps), ``busy-mid=0.2`` (computes: that much CPU
+    time), ``slow-post=0.2``, ``raise-mid``, ``var=x``,
     ``wait=x`` (suspended until variable ``x`` is set; with ``wait-branch=i`` only branch i of a
     fork waits), ``branch-ff`` (after a fork, branch i
     forces token 100 + i once)."""
@@ -55,6 +56,10 @@ class Scripted(Controller):
     def mid_process(self):
         if "slow-mid" in self.opts:
             time.sleep(float(self.opts["slow-mid"]))
+        if "busy-mid" in self.opts:
+            until = time.thread_time() + float(self.opts["busy-mid"])
+            while time.thread_time() < until:
+                pass
         if "raise-mid" in self.opts:
             raise RuntimeError("controller bug")
         if "allow" not in self.opts:

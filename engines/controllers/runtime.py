@@ -7,12 +7,13 @@
 runtime knows nothing of Ray or vLLM, so it is tested directly and over shared memory.
 
 Time bounds (aicirt's, ``../shared/specs/aici.md`` §5): every controller call runs on a worker
-thread and the step waits for it at most ``Limits.step_s``. A ``mid_process`` that overruns
+thread and may use ``Limits.step_s`` of CPU time, within ``Limits.wall_factor`` times that of
+wall time (``ControllerRuntime._run`` says why CPU time). A ``mid_process`` that overruns
 leaves its row all-allowed (a no-op step, logged), and ``Limits.max_timeout_steps`` of those in a
 row fail the sequence; ``pre_process`` / ``post_process`` change the controller's state, so one
 that overruns fails the sequence at once (its late effect could not be undone). A call still
-running from an earlier step is not started again: that step counts as another timeout. Other
-sequences' rows are never held up beyond the bound.
+running from an earlier step is not started again: that step counts as another timeout. No
+step is held up beyond the wall cap.
 
 Beyond the seed, two side ops let the engine's frontend carry out what vLLM cannot do inside a
 step (fast-forward; ``engines/vllm/controlled.py``). A controller lives by its ``req_id`` from
@@ -58,7 +59,10 @@ _HEX = re.compile(r"^[0-9a-fA-F]+$")
 
 @dataclass(frozen=True)
 class Limits:
-    step_s: float = 0.025  # aicirt's --wasm-max-step-time default
+    step_s: float = 0.025  # aicirt's --wasm-max-step-time default: CPU time of one call
+    # ... and, however a call spends it (blocked, or waiting for a core or the GIL), this many
+    # times that in wall time
+    wall_factor: float = 4.0
     init_s: float = 1.0  # --wasm-max-init-time
     max_timeout_steps: int = 10  # --wasm-max-timeout-steps
     max_forks: int = 16  # --wasm-max-forks, per request
@@ -307,9 +311,20 @@ class ControllerRuntime:
 
     def _run(self, calls: dict[Any, tuple[_Seq, Callable[[], Any]]],
              stateful: bool) -> dict[Any, tuple[Any, str, int]]:
-        """Run each call on the pool, wait at most one step bound for all of them together."""
+        """Run each call on the pool; a call is cut once it used ``step_s`` of CPU time, or
+        when ``wall_factor * step_s`` of wall time passed since the step began.
+
+        CPU time, not wall time, is a controller's own: aicirt runs each sequence in a
+        process of its own, here they share one (and its GIL), and the engine sends a step
+        before its forward pass so the runtime works while the engine computes, on cores that
+        the forward pass and vLLM's other processes also want. A wall bound alone charged a
+        controller for the others' time and for the box's load (at 16 llguidance streams
+        some overran 25 ms, had an unconstrained step and failed); the wall cap still bounds a
+        controller that blocks instead of computing."""
         out: dict[Any, tuple[Any, str, int]] = {}
         futures: dict[Any, Future] = {}
+        clocks: dict[Any, list] = {}
+        began = time.monotonic()
         for key, (seq, call) in calls.items():
             if seq.running is not None and not seq.running.done():
                 out[key] = self._timed_out(seq, stateful, still_running=True)
@@ -317,9 +332,10 @@ class ControllerRuntime:
             if _is_default(call):  # the base class's no-op: no thread handoff for nothing
                 out[key] = (_timed(call)[0], "", 0)
                 continue
-            seq.running = futures[key] = self._pool.submit(_timed, call)
+            clocks[key] = []
+            seq.running = futures[key] = self._pool.submit(_timed, call, clocks[key])
         if futures:
-            wait_all(futures.values(), timeout=self.limits.step_s)
+            self._wait(futures, clocks, began)
         for key, fut in futures.items():
             seq = calls[key][0]
             if not fut.done():
@@ -332,6 +348,19 @@ class ControllerRuntime:
                 seq.failed = error
             out[key] = (value, error, micros)
         return out
+
+    def _wait(self, futures: dict[Any, Future], clocks: dict[Any, list], began: float) -> None:
+        """Until every call is done, over its CPU budget, or the step's wall cap passed."""
+        step = self.limits.step_s
+        cap = began + step * self.limits.wall_factor
+        wait_all(futures.values(), timeout=step)  # most steps end here
+        while True:
+            within = [fut for key, fut in futures.items()
+                      if not fut.done() and _cpu_used(clocks[key]) < step]
+            now = time.monotonic()
+            if not within or now >= cap:
+                return
+            wait_all(within, timeout=min(step / 4, cap - now))
 
     def _timed_out(self, seq: _Seq, stateful: bool, still_running: bool) -> tuple[Any, str, int]:
         bound, micros = f"{self.limits.step_s * 1000:g} ms", int(self.limits.step_s * 1e6)
@@ -597,7 +626,10 @@ def _is_default(call: Callable[[], Any]) -> bool:
     return getattr(method, "__func__", None) in _DEFAULTS
 
 
-def _timed(call: Callable[[], Any]) -> tuple[Any, str, int]:
+def _timed(call: Callable[[], Any], clock: list | None = None) -> tuple[Any, str, int]:
+    if clock is not None:  # this thread's CPU clock and its reading now, for _cpu_used
+        clock_id = time.pthread_getcpuclockid(threading.get_ident())
+        clock += [clock_id, time.clock_gettime(clock_id)]
     t0 = time.perf_counter()
     try:
         value, error = call(), ""
@@ -606,6 +638,16 @@ def _timed(call: Callable[[], Any]) -> tuple[Any, str, int]:
     except Exception as exc:  # a controller bug fails its sequence, not the runtime
         value, error = None, f"{type(exc).__name__}: {exc}"
     return value, error, int((time.perf_counter() - t0) * 1e6)
+
+
+def _cpu_used(clock: list) -> float:
+    """CPU seconds the call behind ``clock`` used so far (0 while it waits for a thread)."""
+    if not clock:
+        return 0.0
+    try:
+        return time.clock_gettime(clock[0]) - clock[1]
+    except OSError:  # the thread is gone: the call is over
+        return float("inf")
 
 
 def _record(seq: _Seq | None, result: Any, error: str, micros: int) -> dict:

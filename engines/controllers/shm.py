@@ -284,9 +284,12 @@ class ChannelObjects:
 class MainClient:
     """Engine end of the main channel: one command in flight, each answered before the next.
 
-    A command whose answer does not come within its bound leaves the channel out of step (the
-    late answer would be read as the next command's), so the client refuses further commands
-    until it is closed and a new runtime is connected."""
+    ``call`` sends and waits; ``send`` and ``receive`` split it, so the engine can start a
+    step's command and do other work (its forward pass) before it needs the answer, as AICI
+    runs ``mid_process`` beside the forward pass. A command whose answer does not come within
+    its bound leaves the channel out of step (the late answer would be read as the next
+    command's), so the client refuses further commands until it is closed and a new runtime is
+    connected."""
 
     def __init__(self, prefix: str = DEFAULT_PREFIX, size: int = 8 << 20,
                  create: bool = True) -> None:
@@ -295,23 +298,54 @@ class MainClient:
         self._cmd, self._resp = _pair(prefix, "", size, create=create)
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._sent: str | None = None  # the op whose answer is owed
+
+    @property
+    def waiting(self) -> bool:
+        """A command was sent and its answer not yet received."""
+        return self._sent is not None
 
     def call(self, op: str, timeout: float, **fields: Any) -> Any:
         """Send ``{"op": op, **fields}``; the answer's ``data``, or :class:`RuntimeReplyError`."""
         with self._lock:
-            if self._broken:
-                raise ChannelError(self._broken)
-            self._cmd.send(_encode({"op": op, **fields}), timeout)
-            try:
-                raw = self._resp.recv(timeout)
-            except ChannelTimeout as exc:
-                self._broken = f"main channel out of step after {op!r} timed out: {exc}"
-                raise
-            try:
-                reply = _decode(raw)
-            except msgspec.DecodeError as exc:
-                self._broken = f"main channel: unreadable answer to {op!r}: {exc}"
-                raise ChannelError(self._broken) from None
+            self._send(op, timeout, fields)
+            return self._receive(timeout)
+
+    def send(self, op: str, timeout: float, **fields: Any) -> None:
+        """Start a command; :meth:`receive` waits for its answer (one in flight)."""
+        with self._lock:
+            self._send(op, timeout, fields)
+
+    def receive(self, timeout: float) -> Any:
+        """The answer to the command :meth:`send` started, as :meth:`call` returns it."""
+        with self._lock:
+            return self._receive(timeout)
+
+    def _send(self, op: str, timeout: float, fields: dict) -> None:
+        if self._broken:
+            raise ChannelError(self._broken)
+        if self._sent is not None:
+            raise ChannelError(f"main channel: {op!r} sent before the answer to "
+                               f"{self._sent!r} was received")
+        self._cmd.send(_encode({"op": op, **fields}), timeout)
+        self._sent = op
+
+    def _receive(self, timeout: float) -> Any:
+        op, self._sent = self._sent, None
+        if op is None:
+            raise ChannelError("main channel: nothing was sent to answer")
+        if self._broken:
+            raise ChannelError(self._broken)
+        try:
+            raw = self._resp.recv(timeout)
+        except ChannelTimeout as exc:
+            self._broken = f"main channel out of step after {op!r} timed out: {exc}"
+            raise
+        try:
+            reply = _decode(raw)
+        except msgspec.DecodeError as exc:
+            self._broken = f"main channel: unreadable answer to {op!r}: {exc}"
+            raise ChannelError(self._broken) from None
         return _unwrap(reply)
 
     def close(self) -> None:

@@ -41,12 +41,25 @@ class _RandomMask(Controller):
         return self.WANTED
 
 
+class _Recording(Controller):
+    """Allows token 5 only; says when its mid_process ran."""
+
+    ran = threading.Event()
+
+    def mid_process(self):
+        allowed = np.zeros(VOCAB, dtype=bool)
+        allowed[5] = True
+        _Recording.ran.set()
+        return allowed
+
+
 @pytest.fixture
 def runtime():
     prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
     objects = ChannelObjects(prefix, json_size=1 << 16, bin_size=16 * VOCAB * 4)
     bias = BiasMatrix(prefix, create=False)
-    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted, "random": _RandomMask}, bias,
+    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted, "random": _RandomMask,
+                                           "recording": _Recording}, bias,
                            Limits(step_s=1.0))
     main, side_srv = MainServer(prefix), SideServer(prefix)
     threads = [threading.Thread(target=main.serve, args=(rt.handle_main,), daemon=True),
@@ -153,10 +166,37 @@ def test_without_a_runtime_controlled_rows_end_and_a_dead_runtime_ends_them_too(
     runtime.instantiate("run-d", "")
     monkeypatch.setattr(controller_hook, "CHANNEL_TIMEOUT_S", 0.3)
     lp = _lp(runtime.prefix)
-    lp.update_state(_update(1, added=[(0, _params(4, "run-d"), [1], [])]))
     runtime.main.close()  # the runtime stops answering
+    lp.update_state(_update(1, added=[(0, _params(4, "run-d"), [1], [])]))
     assert _allowed(lp.apply(torch.randn(1, VOCAB))[0]) == [STOP]
     assert "unreachable" in lp._dead
+
+
+def test_the_step_goes_out_before_the_forward_pass_and_its_answer_masks_the_logits(runtime):
+    # The V1 runner calls update_state before the forward pass and apply after it: the
+    # runtime's mid_process runs in between (beside the forward pass), not when apply asks.
+    runtime.instantiate("run-o", "", module="recording")
+    _Recording.ran.clear()
+    lp = _lp(runtime.prefix)
+    lp.update_state(_update(2, added=[(1, _params(3, "run-o"), [1], [])]))
+    assert _Recording.ran.wait(5), "the step was not sent by update_state"
+    out = lp.apply(torch.randn(2, VOCAB))
+    assert _allowed(out[1]) == [5] and len(_allowed(out[0])) == VOCAB
+
+
+def test_a_step_that_sampled_nothing_loses_neither_tokens_nor_a_stop(runtime):
+    # update_state twice without an apply (vLLM skips sampling when nothing was scheduled):
+    # the first answer's stop still ends the row, and no token is reported twice.
+    runtime.instantiate("run-n", "stop-after=1")
+    lp = _lp(runtime.prefix)
+    out = []
+    lp.update_state(_update(1, added=[(0, _params(6, "run-n"), [1], out)]))
+    assert len(_allowed(lp.apply(torch.randn(1, VOCAB))[0])) == VOCAB
+    out.append(9)
+    lp.update_state(None)  # reports 9: the controller stops
+    lp.update_state(None)  # no apply came between
+    assert _allowed(lp.apply(torch.randn(1, VOCAB))[0]) == [STOP]
+    assert runtime.rt._seqs[6].controller.seen == [9]
 
 
 def test_malformed_controller_args_are_refused_at_admission():

@@ -212,7 +212,8 @@ def test_a_slow_mid_process_is_a_logged_no_op_then_fails_the_sequence_others_go_
     prefix = f"/t{os.getpid()}-{uuid.uuid4().hex[:6]}-"
     bias = BiasMatrix(prefix, size=4 * VOCAB * 4, create=True)
     try:
-        rt = _runtime(bias, step_s=0.2, max_timeout_steps=3)
+        # A controller that blocks uses no CPU: the wall cap (2 x 0.1 s here) cuts it.
+        rt = _runtime(bias, step_s=0.1, wall_factor=2.0, max_timeout_steps=3)
         _instantiate(rt, "run-slow", "slow-mid=0.5 allow=3")
         _instantiate(rt, "run-fast", "allow=9")
         _step(rt, pre_ops=[{"id": 1, "req_id": "run-slow"}, {"id": 2, "req_id": "run-fast"}])
@@ -220,7 +221,7 @@ def test_a_slow_mid_process_is_a_logged_no_op_then_fails_the_sequence_others_go_
         for _ in range(3):
             t0 = time.monotonic()
             data = rt.handle_main({"op": "mid_process", "ops": [{"id": 1}, {"id": 2}]})["data"]
-            assert time.monotonic() - t0 < 0.45  # bounded by the step limit, not the controller
+            assert time.monotonic() - t0 < 0.4  # bounded by the wall cap, not the controller
             rows = bias.rows(2, VOCAB)
             assert (rows[0] == 0).all()  # the slow one: unconstrained this step
             assert int(np.argmax(rows[1])) == 9 and np.isneginf(rows[1]).sum() == VOCAB - 1
@@ -234,8 +235,29 @@ def test_a_slow_mid_process_is_a_logged_no_op_then_fails_the_sequence_others_go_
         bias.close()
 
 
+def test_the_step_bound_is_a_controllers_own_cpu_time_not_its_wait_for_the_others():
+    # Four controllers that each compute 60 ms share one process and its GIL: the step takes
+    # ~240 ms of wall time, but none used its 100 ms of CPU; one that computes 1 s is cut
+    # once it used its 100 ms, long before the wall cap.
+    rt = _runtime(step_s=0.1, wall_factor=20.0)
+    for i in range(4):
+        _instantiate(rt, f"run-{i}", "busy-mid=0.06")
+    _instantiate(rt, "run-hog", "busy-mid=1.0")
+    _step(rt, pre_ops=[{"id": i, "req_id": f"run-{i}"} for i in range(4)]
+          + [{"id": 9, "req_id": "run-hog"}])
+    t0 = time.monotonic()
+    data = rt.handle_main({"op": "mid_process",
+                           "ops": [{"id": i} for i in range(4)] + [{"id": 9}]})["data"]
+    assert time.monotonic() - t0 < 1.0  # the hog was not waited for
+    assert [data["seqs"][str(i)]["error"] for i in range(4)] == [""] * 4
+    assert all(data["seqs"][str(i)]["logs"] == "" for i in range(4))  # no timeout logged
+    assert "timeout: mid_process over 100 ms" in data["seqs"]["9"]["logs"]
+    time.sleep(1.2)  # the hog's call finishes before the runtime closes
+    rt.close()
+
+
 def test_a_slow_post_process_or_a_raising_controller_fails_only_its_sequence():
-    rt = _runtime(step_s=0.2)
+    rt = _runtime(step_s=0.2, wall_factor=2.0)  # a blocking call is cut at 0.4 s
     _instantiate(rt, "run-slow", "slow-post=0.5")
     _instantiate(rt, "run-bug", "raise-mid")
     _instantiate(rt, "run-ok", "")

@@ -115,6 +115,29 @@ def test_a_slot_holds_a_u32_little_endian_length_then_the_json_at_offset_zero(pr
         slot.close()
 
 
+def test_a_command_can_be_sent_and_its_answer_taken_later_one_at_a_time(prefix):
+    # The hook sends a step before vLLM's forward pass and takes the answer after it.
+    client = MainClient(prefix, size=1 << 16)
+    cmd, resp = RawSlot(prefix + "cmd"), RawSlot(prefix + "resp")
+    try:
+        with pytest.raises(ChannelError, match="nothing was sent"):
+            client.receive(timeout=1)
+        client.send("step", timeout=5, mid_ops=[])
+        assert client.waiting
+        assert cmd.recv() == {"op": "step", "mid_ops": []}  # out before anyone waits
+        with pytest.raises(ChannelError, match="before the answer"):
+            client.send("ping", timeout=5)  # one in flight: answers are matched by order
+        resp.send({"type": "ok", "data": {"mid": {}}})
+        assert client.receive(timeout=5) == {"mid": {}} and not client.waiting
+        resp.send({"type": "ok", "data": {"pong": 1}})
+        assert client.call("ping", timeout=5) == {"pong": 1}
+        assert cmd.recv() == {"op": "ping"}
+    finally:
+        cmd.close()
+        resp.close()
+        client.close()
+
+
 def test_the_engine_end_talks_to_a_runtime_written_from_the_seed(prefix):
     client = MainClient(prefix, size=1 << 16)
     cmd, resp = RawSlot(prefix + "cmd"), RawSlot(prefix + "resp")
