@@ -55,10 +55,15 @@ class VLLMEngine:
         self.model_path = resolve_model_source(config.source)
         kwargs = engine_args(config.engine_args)
         self._side = None
+        self._runtime: Any = None
         if config.controllers is not None:
             kwargs = self._start_controllers(config.controllers, kwargs)
         args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name], **kwargs)
         self._llm = AsyncLLM.from_engine_args(args)
+        if self._runtime is not None:  # vLLM's worker is up, pinned where it computes
+            from engines.controllers.service import engine_cpus
+
+            self._runtime.keep_off_engine(engine_cpus())
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"
@@ -109,7 +114,7 @@ class VLLMEngine:
         except BaseException:
             objects.close()
             raise
-        self._side = side
+        self._side, self._runtime = side, runtime
         weakref.finalize(self, _close_controllers, side, runtime, objects)
         processors = list(kwargs.get("logits_processors") or [])
         extra = dict(kwargs.get("additional_config") or {})

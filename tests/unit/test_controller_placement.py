@@ -1,0 +1,63 @@
+"""The controller runtime keeps off the CPUs vLLM's worker computes on
+(``engines/controllers/service.py``): found from the pinned processes under the replica, and
+every thread of the runtime's process moved, threads it starts later included."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engines.controllers.service import engine_cpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                                reason="needs two CPUs to move anything")
+
+
+def test_the_engine_cpus_are_those_a_child_process_is_pinned_to():
+    # An engine of an earlier test in this session may be pinned somewhere already.
+    before = engine_cpus()
+    free = sorted(os.sched_getaffinity(0) - before)
+    if not free:
+        pytest.skip("every CPU is pinned by an engine of an earlier test")
+    cpu = free[-1]
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, time
+        os.sched_setaffinity(0, {{{cpu}}})
+        sys.stdout.write("pinned\\n"); sys.stdout.flush()
+        time.sleep(30)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "pinned\n"
+        assert engine_cpus() == before | {cpu}
+    finally:
+        child.kill()
+        child.wait()
+    assert engine_cpus() == before  # its process gone: nothing more to keep off
+
+
+def test_pin_off_moves_every_thread_and_the_ones_started_later():
+    # In a process of its own, as the runtime's actor is: moving this one would move pytest.
+    script = textwrap.dedent("""
+        import os, threading
+        from engines.controllers.service import RuntimeService
+        gate = threading.Event()
+        early = threading.Thread(target=gate.wait); early.start()
+        avoid = min(os.sched_getaffinity(0))
+        where = RuntimeService.pin_off(None, [avoid])
+        seen = {}
+        late = threading.Thread(target=lambda: seen.update(late=os.sched_getaffinity(0)))
+        late.start(); late.join()
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        ok = all(avoid not in os.sched_getaffinity(t) for t in tids) and avoid not in seen["late"]
+        gate.set(); early.join()
+        print(ok, avoid in where, len(tids))
+        """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    ok, listed, threads = out.stdout.split()
+    assert (ok, listed) == ("True", "False") and int(threads) >= 2
