@@ -18,7 +18,8 @@ class Controllers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     ``custom``: the operator's trusted controller classes, ``{tag: "package.module:Class"}``,
     beside the built-ins ``none`` and ``llguidance``. ``step_ms`` / ``init_ms``: the per-step and
-    construction bounds of one controller (aicirt's defaults)."""
+    construction bounds of one controller (aicirt's defaults; a step call's bound is its own CPU
+    time, within 4x that of wall time: ``engines.controllers.runtime.Limits``)."""
 
     custom: dict[str, str] = {}
     step_ms: float = 25.0
