@@ -223,6 +223,12 @@ class TokenEvent(_Frozen, tag="token", kw_only=True):
     elapsed_s: float = 0.0  # since the engine received the request, when this token was produced
     batch_size: int = 0  # requests in flight in this engine replica at that moment
     queue_s: float | None = None  # on a choice's first token: admitted → first scheduled
+    # A controlled choice: what its controller logged, the variables it wrote and the
+    # microseconds it ran since the previous event that carried them (AICI streams them with
+    # each event); the rest comes with the FinalEvent.
+    logs: str = ""
+    storage: tuple[dict[str, Any], ...] = ()
+    micros: int = 0
 
 
 class BacktrackEvent(_Frozen, tag="backtrack", kw_only=True):
@@ -279,10 +285,12 @@ class FinalEvent(_Frozen, tag="final", kw_only=True):
     usage: Usage
     timings: Timings = Timings()
     text: str = ""  # trailing text flushed at the end (held-back bytes); usually empty
-    # What the choice's controller logged, and the variables it wrote (AICI's ``storage``
-    # entries, ``{"WriteVar": {"name", "value": <hex>, "op", "when_version_is"}}``).
+    # What the choice's controller logged, the variables it wrote (AICI's ``storage``
+    # entries, ``{"WriteVar": {"name", "value": <hex>, "op", "when_version_is"}}``) and the
+    # microseconds it ran, since its last TokenEvent that carried them.
     logs: str = ""
     storage: tuple[dict[str, Any], ...] = ()
+    micros: int = 0
 
 
 class ErrorEvent(_Frozen, tag="error", kw_only=True):

@@ -80,7 +80,8 @@ def module_id_of(factory: ControllerFactory) -> str:
 
 class _Seq:
     __slots__ = ("binds", "bound_to", "controller", "ctx", "failed", "family", "forks",
-                 "last_pre", "need_pre", "req_id", "running", "stopped", "timeouts", "touched")
+                 "last_pre", "micros", "need_pre", "req_id", "running", "stopped", "timeouts",
+                 "touched")
 
     def __init__(self, req_id: str, controller: Controller, ctx: ControllerContext,
                  forks: list[int], family: set[str] | None = None) -> None:
@@ -100,6 +101,7 @@ class _Seq:
         self.bound_to: int | None = None  # the engine's sequence id while a segment runs
         self.binds = 0  # segments the engine bound: the frontend checks its hook ran
         self.touched = time.monotonic()
+        self.micros = 0  # time its calls ran since the last ``advance`` reported it
 
 
 
@@ -344,6 +346,7 @@ class ControllerRuntime:
             seq.running = None
             seq.timeouts = 0
             value, error, micros = fut.result()
+            seq.micros += micros
             if error:
                 seq.failed = error
             out[key] = (value, error, micros)
@@ -465,7 +468,8 @@ class ControllerRuntime:
                  "pre": None if seq.stopped or error else seq.last_pre}
         seq.ctx.drain()  # this call's entries are in the journal too
         logs, storage = seq.ctx.journal()  # since the last advance: the segment's steps too
-        return ok_reply({**state, "logs": logs, "storage": storage})
+        micros, seq.micros = seq.micros, 0
+        return ok_reply({**state, "logs": logs, "storage": storage, "micros": micros})
 
     def _release(self, request: dict) -> dict:
         req_id = request.get("req_id")

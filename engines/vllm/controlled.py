@@ -137,8 +137,11 @@ class ControlledRun:
         self.forced = 0
         self.sampled = 0  # withdrawn ones included
         self.spliced = False
+        # What the controller logged, stored and spent that no event has carried yet: the
+        # next token this branch emits carries it (AICI streams them with each event).
         self.logs: list[str] = []
         self.storage: list[dict] = []
+        self.micros = 0
         self.cached = 0  # prompt tokens from the prefix cache, over all segments
         self.binds = 0  # segments the runtime saw the engine's hook bind
         self.carry = ""  # text of a dropped stop token's delta, for the next event
@@ -171,8 +174,10 @@ class ControlledRun:
 
     def _state(self, state: dict) -> dict:
         self.binds = state.get("binds", self.binds)
-        self.logs.append(state.get("logs") or "")
+        if state.get("logs"):
+            self.logs.append(state["logs"])
         self.storage += state.get("storage") or []
+        self.micros += int(state.get("micros") or 0)
         if state.get("storage"):  # a variable a sibling waits for may be among them
             self.family.bump()
         if state.get("error"):
@@ -397,7 +402,7 @@ class ControlledRun:
             child = copy.copy(self)
             child.index, child.req_id = index, req_id
             child.out, child.texts = list(self.out), list(self.texts)
-            child.logs, child.storage, child.cached, child.binds = [], [], 0, 0
+            child.logs, child.storage, child.micros, child.cached, child.binds = [], [], 0, 0, 0
             self.family.ready[index] = child
             self.family.live += 1
             events.append(ForkEvent(index=index, parent=self.index))
@@ -442,7 +447,18 @@ class ControlledRun:
         held, self.pending = self.pending, None
         if held is None:
             return []
-        return [held if held.last == last else msgspec.structs.replace(held, last=last)]
+        if self.logs or self.storage or self.micros:
+            held = msgspec.structs.replace(held, last=last, **self._notes())
+        elif held.last != last:
+            held = msgspec.structs.replace(held, last=last)
+        return [held]
+
+    def _notes(self) -> dict:
+        """The logs, storage and micros no event carried yet, taken for one."""
+        notes = {"logs": "".join(self.logs), "storage": tuple(self.storage),
+                 "micros": self.micros}
+        self.logs, self.storage, self.micros = [], [], 0
+        return notes
 
     def _finish(self, reason: FinishReason,
                 stop_reason: str | int | None = None) -> list[Event]:
@@ -490,8 +506,7 @@ class ControlledRun:
         now = time.monotonic()
         first = self.first_token or now
         return FinalEvent(index=self.index, finish_reason=reason, stop_reason=stop_reason,
-                          text=self.carry,
-                          logs="".join(self.logs), storage=tuple(self.storage),
+                          text=self.carry, **self._notes(),
                           usage=Usage(prompt_tokens=len(self.prompt_ids),
                                       completion_tokens=len(self.out),
                                       forced_tokens=self.forced,

@@ -3,13 +3,14 @@
 ``run_objects`` is a pure transform (events in, JSON objects out); ``sse`` frames them. The
 shape is AICI's: ``initial-run`` first, then one ``run`` object per engine event with a
 ``forks`` entry per choice it concerns (``text`` is a delta; a backtrack adds ``" ↩ "`` and
-retracts nothing), cumulative ``usage`` on every ``run`` (pyaici reads ``ff_tokens`` from the
-first one), and ``data: [DONE]`` last. A new fork's first entry carries its parent's text as
-it stands (withdrawn text cut), as AICI's forked sequence decodes every token it inherited
-(its ``fork_1`` test expects each fork's text to start with the common prefix). An
-``ErrorEvent`` whose ``param`` is ``"deadlock"`` (every fork suspended) ends the running forks
-with AICI's ``deadlock``, any other with ``fail``. pyaici.rest refuses any other line, so no comments or
-keep-alives are sent.
+retracts nothing; ``logs``, ``storage`` and ``micros`` are what the controller produced since
+the choice's previous event, as the engine learns of them), cumulative ``usage`` on every
+``run`` (pyaici reads ``ff_tokens`` from the first one), and ``data: [DONE]`` last. A new
+fork's first entry carries its parent's text as it stands (withdrawn text cut), as AICI's
+forked sequence decodes every token it inherited (its ``fork_1`` test expects each fork's text
+to start with the common prefix). An ``ErrorEvent`` whose ``param`` is ``"deadlock"`` (every
+fork suspended) ends the running forks with AICI's ``deadlock``, any other with ``fail``.
+pyaici.rest refuses any other line, so no comments or keep-alives are sent.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def finish_reason(final: FinalEvent, controlled: bool) -> str:
 
 
 def _fork(index: int, text: str = "", error: str = "", finish: str | None = None,
-          logs: str = "", storage: list | None = None) -> dict:
+          logs: str = "", storage: tuple | list = (), micros: int = 0) -> dict:
     entry: dict[str, Any] = {"index": index}
     if finish is not None:
         entry["finish_reason"] = finish
-    entry.update(text=text, error=error, logs=logs, storage=storage or [], micros=0)
+    entry.update(text=text, error=error, logs=logs, storage=list(storage), micros=micros)
     return entry
 
 
@@ -76,7 +77,8 @@ async def run_objects(events: AsyncIterator[Event], meta: RunMeta) -> AsyncItera
             else:
                 sampled += 1
             current[event.index] = current.get(event.index, "") + event.text
-            yield run(_fork(event.index, event.text))
+            yield run(_fork(event.index, event.text, logs=event.logs, storage=event.storage,
+                            micros=event.micros))
         elif isinstance(event, BacktrackEvent):
             text = current.get(event.index, "")
             if event.text and text.endswith(event.text):
@@ -89,10 +91,9 @@ async def run_objects(events: AsyncIterator[Event], meta: RunMeta) -> AsyncItera
                 yield run(_fork(event.index, current[event.index]))
         elif isinstance(event, FinalEvent):
             running.discard(event.index)
-            # The controller's logs and variables come with the end (the engine collects
-            # them from its steps between segments).
+            # What the controller logged, stored and spent since its last token's event.
             yield run(_fork(event.index, event.text, finish=finish_reason(event, meta.controlled),
-                            logs=event.logs, storage=list(event.storage)))
+                            logs=event.logs, storage=event.storage, micros=event.micros))
         elif isinstance(event, ErrorEvent):
             finish = DEADLOCK if event.param == DEADLOCK else "fail"
             yield run(*(_fork(i, error=event.message, finish=finish)

@@ -65,6 +65,21 @@ def test_gen_num(aici):
     assert re.fullmatch(r"I am about \d+ years and \d+ months\.", text), text
 
 
+def test_logs_and_micros_stream_with_the_run_not_only_at_its_end(aici):
+    # AICI sends what the controller logged with each event; the first Gen's "finish" line is
+    # known once its segment ends, long before the program's end
+    result = _query(aici, "", [
+        ast.fixed("I am about "), ast.gen(max_tokens=2, rx=r"\d+"),
+        ast.fixed(" years and "), ast.gen(max_tokens=2, rx=r"\d+"), ast.fixed(" months.")])
+    _ok(result)
+    entries = [fork for obj in result["response"] for fork in obj.get("forks", ())]
+    logged = [i for i, fork in enumerate(entries) if fork["logs"]]
+    assert logged and logged[0] < len(entries) - 1, entries
+    assert "finish:" in entries[logged[0]]["logs"]
+    assert result["logs"][0].count("finish:") >= 2  # every Gen's, once each
+    assert sum(fork["micros"] for fork in entries) > 0
+
+
 JSON_TEMPLATE = {"name": "", "valid": True, "description": "",
                  "type": "foo|bar|baz|something|else",
                  "address": {"street": "", "city": "", "state": "[A-Z][A-Z]"},

@@ -296,3 +296,16 @@ async def test_the_controllers_logs_and_variables_come_with_the_end():
     end = objects[-1]["forks"][0]
     assert end["logs"] == "FIXED 'a'\n" and end["storage"] == [write]
     assert objects[1]["forks"][0]["logs"] == "" and objects[1]["forks"][0]["storage"] == []
+
+
+async def test_logs_variables_and_micros_ride_on_the_event_that_carries_them():
+    write = {"WriteVar": {"name": "x", "value": b"4".hex(), "op": "Append",
+                          "when_version_is": None}}
+    objects = await _objects([
+        TokenEvent(token_id=1, text="a", logs="step 1\n", storage=(write,), micros=120),
+        TokenEvent(token_id=2, text="b", last=True),
+        FinalEvent(finish_reason="eos", usage=USAGE, logs="end\n", micros=30),
+    ])
+    forks = [o["forks"][0] for o in objects[1:]]
+    assert [(f["logs"], f["storage"], f["micros"]) for f in forks] == [
+        ("step 1\n", [write], 120), ("", [], 0), ("end\n", [], 30)]

@@ -309,16 +309,29 @@ def test_the_redact_example_withdraws_a_word_and_forces_its_replacement():
     assert "Paris" not in tok.decode(run.out)
 
 
-def test_logs_and_variables_from_the_engines_steps_reach_the_final_event():
+def test_logs_and_variables_from_the_engines_steps_reach_the_client_once_each():
     # post_process runs inside the engine's steps (the stand-in's post_pre_process) for the
-    # sampled tokens, and once through advance for the last one: all of it is on the final
+    # sampled tokens, and once through advance for the last one: each entry is carried once,
+    # by the first event after the driver learns of it (here the last token)
     events, *_ = _run("var=v stop-after=3", [5, 6, 7])
     final = events[-1]
     assert isinstance(final, FinalEvent) and final.finish_reason == "eos"
-    assert final.logs == "wrote [5]\nwrote [6]\nwrote [7]\n"
-    writes = [entry["WriteVar"] for entry in final.storage]
+    carriers = [e for e in events if isinstance(e, (TokenEvent, FinalEvent))]
+    assert "".join(e.logs for e in carriers) == "wrote [5]\nwrote [6]\nwrote [7]\n"
+    writes = [entry["WriteVar"] for e in carriers for entry in e.storage]
     assert [(w["name"], bytes.fromhex(w["value"]), w["op"]) for w in writes] == [
         ("v", bytes([5]), "Append"), ("v", bytes([6]), "Append"), ("v", bytes([7]), "Append")]
+    assert sum(e.micros for e in carriers) > 0  # the calls' time, AICI's "micros"
+
+
+def test_logs_stream_with_the_token_after_them_not_only_at_the_end():
+    # the forced tokens' post_process logs at the advance before the first segment: the first
+    # token emitted after that carries it, long before the run ends
+    events, *_ = _run("ff=1,2 var=v stop-after=6", [5, 6, 7, 8])
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    first = next(i for i, e in enumerate(tokens) if e.logs)
+    assert tokens[first].logs == "wrote [1, 2]\n" and first < len(tokens) - 1
+    assert not tokens[first].last
 
 
 def test_segments_the_hook_never_saw_fail_the_run_instead_of_looping():
