@@ -12,8 +12,8 @@ wall time (``ControllerRuntime._run`` says why CPU time). A ``mid_process`` that
 leaves its row all-allowed (a no-op step, logged), and ``Limits.max_timeout_steps`` of those in a
 row fail the sequence; ``pre_process`` / ``post_process`` change the controller's state, so one
 that overruns fails the sequence at once (its late effect could not be undone). A call still
-running from an earlier step is not started again: that step counts as another timeout. No
-step is held up beyond the wall cap.
+running from an earlier step is not started again: that step counts as another timeout. Each
+phase of a step (post, pre, mid) waits at most the wall cap.
 
 Beyond the seed, two side ops let the engine's frontend carry out what vLLM cannot do inside a
 step (fast-forward; ``engines/vllm/controlled.py``). A controller lives by its ``req_id`` from
@@ -164,9 +164,26 @@ class ControllerRuntime:
         return {**data, "mid": mid}
 
     def _post_pre_process(self, post_ops: list, pre_ops: list, freed: list) -> dict:
+        pre: dict[str, dict] = {}
         with self._lock:
             for seq_id in freed:
                 self._unbind(self._seqs.get(int(seq_id)), int(seq_id))
+            # Bound before the posts: a request vLLM preempted and resumed is bound again
+            # in the step that reports the tokens it sampled meanwhile.
+            for op in pre_ops:
+                seq_id, req_id = int(op["id"]), str(op["req_id"])
+                seq = self._live.get(req_id)
+                if seq is None:
+                    pre[str(seq_id)] = _record(None, None, f"no instantiated controller for "
+                                                           f"{req_id!r}", 0)
+                elif seq_id in self._seqs or seq.bound_to is not None:
+                    pre[str(seq_id)] = _record(None, None, f"sequence {seq_id} or controller "
+                                                           f"{req_id!r} is already bound", 0)
+                else:
+                    seq.bound_to = seq_id
+                    seq.binds += 1
+                    seq.forks.append(seq_id)
+                    self._seqs[seq_id] = seq
         post: dict[str, dict] = {}
         calls = {}
         for op in post_ops:
@@ -183,22 +200,7 @@ class ControllerRuntime:
             seq = calls[seq_id][0]  # the side thread may have released it meanwhile
             post[str(seq_id)] = _record(seq, None if error else {"stop": seq.stopped}, error,
                                         micros)
-        pre: dict[str, dict] = {}
         with self._lock:
-            for op in pre_ops:
-                seq_id, req_id = int(op["id"]), str(op["req_id"])
-                seq = self._live.get(req_id)
-                if seq is None:
-                    pre[str(seq_id)] = _record(None, None, f"no instantiated controller for "
-                                                           f"{req_id!r}", 0)
-                elif seq_id in self._seqs or seq.bound_to is not None:
-                    pre[str(seq_id)] = _record(None, None, f"sequence {seq_id} or controller "
-                                                           f"{req_id!r} is already bound", 0)
-                else:
-                    seq.bound_to = seq_id
-                    seq.binds += 1
-                    seq.forks.append(seq_id)
-                    self._seqs[seq_id] = seq
             # Only sequences the engine runs now; one the frontend is advancing is unbound.
             # A suspended sequence asks again every step (a sibling may have set what it
             # waits for); it was not scheduled, so no post_process made a pre due.
@@ -367,6 +369,7 @@ class ControllerRuntime:
 
     def _timed_out(self, seq: _Seq, stateful: bool, still_running: bool) -> tuple[Any, str, int]:
         bound, micros = f"{self.limits.step_s * 1000:g} ms", int(self.limits.step_s * 1e6)
+        seq.micros += micros
         if stateful:
             seq.failed = f"controller step took longer than {bound}"
             return None, seq.failed, micros
@@ -632,8 +635,11 @@ def _is_default(call: Callable[[], Any]) -> bool:
 
 def _timed(call: Callable[[], Any], clock: list | None = None) -> tuple[Any, str, int]:
     if clock is not None:  # this thread's CPU clock and its reading now, for _cpu_used
-        clock_id = time.pthread_getcpuclockid(threading.get_ident())
-        clock += [clock_id, time.clock_gettime(clock_id)]
+        try:
+            clock_id = time.pthread_getcpuclockid(threading.get_ident())
+            clock += [clock_id, time.clock_gettime(clock_id)]
+        except (AttributeError, OSError):  # no per-thread CPU clock: the wall cap bounds it
+            pass
     t0 = time.perf_counter()
     try:
         value, error = call(), ""

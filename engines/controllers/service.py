@@ -106,15 +106,20 @@ def engine_cpus() -> set[int]:
     import psutil
 
     me = psutil.Process()
-    everything = set(me.cpu_affinity() or ())
+    everything = set(os.sched_getaffinity(0))
     pinned: set[int] = set()
     for child in me.children(recursive=True):
-        try:
-            cpus = set(child.cpu_affinity() or ())
+        try:  # every thread: OpenMP runtimes pin each compute thread to a core of its own
+            threads = [t.id for t in child.threads()]
         except psutil.Error:
             continue
-        if cpus and cpus < everything:
-            pinned |= cpus
+        for tid in threads:
+            try:
+                cpus = set(os.sched_getaffinity(tid))
+            except OSError:  # gone meanwhile
+                continue
+            if cpus and cpus < everything:
+                pinned |= cpus
     return pinned
 
 

@@ -33,6 +33,7 @@ inert and refuses controlled requests.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,7 @@ AICI_ARG = "aici"
 # A runtime that does not answer within this is gone (the per-controller bound is its own,
 # far shorter): the rows it controlled end, and so does every later controlled row.
 CHANNEL_TIMEOUT_S = 5.0
+_LEFT_KEPT = 4096  # sequences that left the batch whose reported count is kept
 
 
 def parse_row_spec(params: SamplingParams) -> dict | None:
@@ -105,6 +107,9 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
         prefix = extra.get("aici_prefix") if isinstance(extra, dict) else None
         self._rows: dict[int, _Row] = {}
         self._freed: list[int] = []
+        # Tokens reported per sequence that left the batch: vLLM re-adds a preempted request
+        # later with the same output list, and its controller must not hear them twice.
+        self._left: OrderedDict[int, int] = OrderedDict()
         self._dead = ""
         self._main: MainClient | None = None
         self._bias: BiasMatrix | None = None
@@ -134,11 +139,13 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
         try:
             if self._main.waiting:  # sent last step, no apply since (a step sampled nothing)
                 self._fold(self._main.receive(CHANNEL_TIMEOUT_S))
+            if any(row.output and row.output[-1] < 0 for row in self._rows.values()):
+                return  # async scheduling: a token is known only in apply(), which sends
             self._main.send("step", timeout=CHANNEL_TIMEOUT_S, **self._command())
         except ChannelError as exc:
             self._lost(exc)
-        except RuntimeReplyError as exc:
-            logger.error("controller runtime refused a step (%s); ending its rows", exc)
+        except Exception as exc:  # a refused step, an oversize command: these rows end
+            logger.error("controller step failed (%s); ending its rows", exc)
             for row in self._rows.values():
                 row.ending = True
 
@@ -149,6 +156,7 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
             self._free(index)  # an added request may replace one at the same index
             row = _row_of(params, output) if params is not None else None
             if row is not None:
+                row.reported = self._left.pop(row.seq, 0)  # resumed after a preemption
                 self._rows[index] = row
         for a, b, direction in batch_update.moved:
             row_a = self._rows.pop(a, None)
@@ -157,14 +165,21 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
                 if row_b is not None:
                     self._rows[a] = row_b
             elif row_b is not None:  # moved onto: the old occupant left the batch
-                self._freed.append(row_b.seq)
+                self._leave(row_b)
             if row_a is not None:
                 self._rows[b] = row_a
 
     def _free(self, index: int) -> None:
         row = self._rows.pop(index, None)
-        if row is not None and row.bound:
+        if row is not None:
+            self._leave(row)
+
+    def _leave(self, row: _Row) -> None:
+        if row.bound:
             self._freed.append(row.seq)
+        self._left[row.seq] = row.reported
+        while len(self._left) > _LEFT_KEPT:  # finished ones are never re-added
+            self._left.popitem(last=False)
 
     # --- Model Runner V2 ----------------------------------------------------------------------
 

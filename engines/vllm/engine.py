@@ -63,7 +63,10 @@ class VLLMEngine:
         if self._runtime is not None:  # vLLM's worker is up, pinned where it computes
             from engines.controllers.service import engine_cpus
 
-            self._runtime.keep_off_engine(engine_cpus())
+            try:
+                self._runtime.keep_off_engine(engine_cpus())
+            except Exception as exc:  # an optimisation: never a reason not to serve
+                log.warning("controller runtime placement skipped: %s", exc)
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"
@@ -103,6 +106,9 @@ class VLLMEngine:
             # Every worker would run the hook and step the controllers once each.
             raise ValueError(f"model {self.config.name!r}: controllers need one vLLM worker "
                              "(tensor/pipeline parallel size 1); set controllers: null")
+        if kwargs.get("async_scheduling"):
+            raise ValueError(f"model {self.config.name!r}: controllers need async_scheduling "
+                             "off (the hook reads each step's tokens before the forward pass)")
         # POSIX names are per host: the pid and a random part keep replicas apart.
         prefix = f"/llmgw-{os.getpid()}-{os.urandom(3).hex()}-"
         objects = ChannelObjects(prefix)

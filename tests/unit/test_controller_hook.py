@@ -199,6 +199,40 @@ def test_a_step_that_sampled_nothing_loses_neither_tokens_nor_a_stop(runtime):
     assert runtime.rt._seqs[6].controller.seen == [9]
 
 
+def test_a_preempted_request_resumed_later_is_bound_again_and_reports_no_token_twice(runtime):
+    # vLLM removes a preempted request from the batch and re-adds it later with the same
+    # output list: its controller goes on from where it was.
+    runtime.instantiate("run-p", "")
+    lp = _lp(runtime.prefix)
+    out = []
+    lp.update_state(_update(1, added=[(0, _params(8, "run-p"), [1], out)]))
+    lp.apply(torch.randn(1, VOCAB))
+    out.append(9)
+    lp.update_state(None)
+    lp.apply(torch.randn(1, VOCAB))
+    lp.update_state(_update(0, removed=[0]))  # preempted
+    lp.apply(torch.randn(0, VOCAB))
+    lp.update_state(_update(1, added=[(0, _params(8, "run-p"), [1], out)]))  # resumed
+    assert len(_allowed(lp.apply(torch.randn(1, VOCAB))[0])) == VOCAB  # not ended
+    out.append(10)
+    lp.update_state(None)
+    assert len(_allowed(lp.apply(torch.randn(1, VOCAB))[0])) == VOCAB
+    assert runtime.rt._seqs[8].controller.seen == [9, 10]
+
+
+def test_with_a_placeholder_token_the_step_waits_for_apply(runtime):
+    # Async scheduling puts -1 where the last token will be; it is known in apply().
+    runtime.instantiate("run-a", "", module="recording")
+    _Recording.ran.clear()
+    lp = _lp(runtime.prefix)
+    out = [-1]
+    lp.update_state(_update(1, added=[(0, _params(2, "run-a"), [1], out)]))
+    assert not lp._main.waiting  # nothing sent before the forward pass
+    out[0] = 7
+    assert _allowed(lp.apply(torch.randn(1, VOCAB))[0]) == [5]
+    assert _Recording.ran.is_set()
+
+
 def test_malformed_controller_args_are_refused_at_admission():
     for extra in ({"aici": {"seq": "1", "req_id": "r"}}, {"aici": [1]}):
         with pytest.raises(ValueError, match="extra_args"):
