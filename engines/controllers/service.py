@@ -105,10 +105,9 @@ def engine_cpus() -> set[int]:
     threads to cores of their own; empty when nothing is pinned, as on GPUs)."""
     import psutil
 
-    me = psutil.Process()
     everything = set(os.sched_getaffinity(0))
     pinned: set[int] = set()
-    for child in me.children(recursive=True):
+    for child in _descendants(psutil.Process()):
         try:  # every thread: OpenMP runtimes pin each compute thread to a core of its own
             threads = [t.id for t in child.threads()]
         except psutil.Error:
@@ -121,6 +120,30 @@ def engine_cpus() -> set[int]:
             if cpus and cpus < everything:
                 pinned |= cpus
     return pinned
+
+
+def _descendants(root: Any) -> list[Any]:
+    """Processes under ``root``, less Ray's: a process that started Ray has its daemons and
+    workers under it, and a controller runtime actor among them is pinned (off an engine)."""
+    out, todo = [], [root]
+    while todo:
+        try:
+            children = todo.pop().children()
+        except Exception:  # psutil.Error: gone meanwhile
+            continue
+        for child in children:
+            try:
+                name, argv = child.name(), child.cmdline()
+            except Exception:
+                continue
+            if name in _RAY_DAEMONS or (argv and argv[0].startswith("ray::")):
+                continue
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+_RAY_DAEMONS = frozenset({"raylet", "gcs_server"})
 
 
 class _ActorHandle:

@@ -39,6 +39,26 @@ def test_the_engine_cpus_are_those_a_child_process_is_pinned_to():
     assert engine_cpus() == before  # its process gone: nothing more to keep off
 
 
+def test_ray_processes_under_this_one_are_not_an_engine():
+    # A process that started Ray has Ray's workers under it; a controller runtime actor among
+    # them runs pinned (off an engine), and is not an engine to keep off.
+    cpu = max(os.sched_getaffinity(0))
+    before = engine_cpus()
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, time
+        import setproctitle
+        setproctitle.setproctitle("ray::RuntimeService")
+        os.sched_setaffinity(0, {{{cpu}}})
+        sys.stdout.write("pinned\\n"); sys.stdout.flush()
+        time.sleep(30)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "pinned\n"
+        assert engine_cpus() == before
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_pin_off_moves_every_thread_and_the_ones_started_later():
     # In a process of its own, as the runtime's actor is: moving this one would move pytest.
     script = textwrap.dedent("""
