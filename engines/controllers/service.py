@@ -68,7 +68,7 @@ class RuntimeService:
                 pass
         return sorted(allowed)
 
-    def keep_off_engine(self, cpus: set[int]) -> None:
+    def keep_off_engine(self) -> None:
         """In the replica's own process (no Ray) the threads are the replica's: not moved."""
 
     def close(self) -> None:
@@ -125,16 +125,18 @@ def engine_cpus() -> set[int]:
 def _descendants(root: Any) -> list[Any]:
     """Processes under ``root``, less Ray's: a process that started Ray has its daemons and
     workers under it, and a controller runtime actor among them is pinned (off an engine)."""
+    import psutil
+
     out, todo = [], [root]
     while todo:
         try:
             children = todo.pop().children()
-        except Exception:  # psutil.Error: gone meanwhile
+        except psutil.Error:  # gone meanwhile
             continue
         for child in children:
             try:
                 name, argv = child.name(), child.cmdline()
-            except Exception:
+            except psutil.Error:
                 continue
             if name in _RAY_DAEMONS or (argv and argv[0].startswith("ray::")):
                 continue
@@ -150,15 +152,17 @@ class _ActorHandle:
     def __init__(self, actor: Any) -> None:
         self._actor = actor
 
-    def keep_off_engine(self, cpus: set[int]) -> None:
-        """Keep the runtime's threads off the engine worker's compute cores. The step runs
-        beside the forward pass, so on the worker's cores it would take the forward pass's
-        time: at 16 llguidance streams on 2 cores this alone cost ~5 % of throughput."""
+    def keep_off_engine(self) -> None:
+        """Keep the runtime's threads off the engine worker's compute cores (``engine_cpus``,
+        called once vLLM is up). The step runs beside the forward pass, so on the worker's
+        cores it would take the forward pass's time: at 16 llguidance streams on 2 cores this
+        alone cost ~5 % of throughput."""
         import ray
 
-        if not cpus:
-            return
         try:
+            cpus = engine_cpus()
+            if not cpus:
+                return
             where = ray.get(self._actor.pin_off.remote(sorted(cpus)), timeout=30)
             log.info("controller runtime keeps off the engine's CPUs %s: runs on %s",
                      sorted(cpus), where)

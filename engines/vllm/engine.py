@@ -61,12 +61,7 @@ class VLLMEngine:
         args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name], **kwargs)
         self._llm = AsyncLLM.from_engine_args(args)
         if self._runtime is not None:  # vLLM's worker is up, pinned where it computes
-            from engines.controllers.service import engine_cpus
-
-            try:
-                self._runtime.keep_off_engine(engine_cpus())
-            except Exception as exc:  # an optimisation: never a reason not to serve
-                log.warning("controller runtime placement skipped: %s", exc)
+            self._runtime.keep_off_engine()
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"
