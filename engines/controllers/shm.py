@@ -98,6 +98,18 @@ def row_ends(post: dict | None, pre: dict | None) -> bool:
     return pre is not None and bool(pre.get("error") or wants_edit(pre.get("result")))
 
 
+def _settle(fut: Future, value: Any = None, error: BaseException | None = None) -> None:
+    """Answer a side request, unless its caller gave up on it: an awaiting task that is
+    cancelled (a client disconnect) cancels the future, and setting a cancelled future raises,
+    which killed the thread that does it (the reader, then every later request timed out)."""
+    if not fut.set_running_or_notify_cancel():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
 def _unwrap(reply: dict) -> Any:
     if reply.get("type") == "ok":
         return reply.get("data")
@@ -473,7 +485,7 @@ class SideClient:
             with self._lock:
                 fut = self._pending.pop(rid, None)  # None: answered (or closed) already
             if fut is not None:
-                fut.set_exception(ChannelTimeout(f"side {op!r} not answered within {timeout} s"))
+                _settle(fut, error=ChannelTimeout(f"side {op!r} not answered within {timeout} s"))
 
     def _read(self) -> None:
         while True:
@@ -491,13 +503,13 @@ class SideClient:
             if fut is None:  # timed out already, or never ours
                 continue
             try:
-                fut.set_result(_unwrap(reply))
+                _settle(fut, _unwrap(reply))
             except RuntimeReplyError as exc:
-                fut.set_exception(exc)
+                _settle(fut, error=exc)
         with self._lock:
             waiting, self._pending = list(self._pending.values()), {}
         for fut in waiting:
-            fut.set_exception(ChannelClosed("side channel closed"))
+            _settle(fut, error=ChannelClosed("side channel closed"))
 
     @property
     def pending(self) -> int:

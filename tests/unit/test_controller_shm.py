@@ -334,6 +334,38 @@ def test_side_answers_come_out_of_order_and_each_reaches_its_request_by_rid(pref
         thread.join(5)
 
 
+def test_requests_their_callers_gave_up_on_leave_the_client_working(prefix):
+    # A task awaiting a side request that is cancelled (a client disconnect) cancels its
+    # future; its answer, or its deadline, coming later must not kill the client's threads.
+    held: list = []
+    got = threading.Event()
+
+    def handler(request, reply):
+        held.append(reply)
+        got.set()
+
+    client, server, thread = _side_pair(prefix, handler)
+    try:
+        answered = client.request("get_tags", timeout=30)
+        assert got.wait(5)
+        assert answered.cancel()
+        held[0](ok_reply({"tags": ["late"]}))  # the reader drops it
+        expiring = client.request("get_tags", timeout=0.2)
+        assert expiring.cancel()
+        time.sleep(0.5)  # the deadline thread drops it
+        got.clear()
+        later = client.request("get_tags", timeout=5)
+        assert got.wait(5)
+        held[-1](ok_reply({"tags": ["ok"]}))
+        assert later.result(5) == {"tags": ["ok"]}  # the reader still runs
+        with pytest.raises(ChannelTimeout):  # and so does the deadline thread
+            client.call("get_tags", timeout=0.3)
+    finally:
+        server.close()
+        client.close()
+        thread.join(5)
+
+
 def test_side_errors_timeouts_and_the_bound_on_waiting_requests(prefix):
     waiting: list = []
 
