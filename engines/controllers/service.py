@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +17,7 @@ from engines.controllers.builtin import BUILTIN_CONTROLLERS, HFTokenizerInfo
 from engines.controllers.runtime import ControllerFactory, ControllerRuntime, Limits
 from engines.controllers.shm import BiasMatrix, MainServer, SideServer
 
-__all__ = ["RuntimeService", "engine_cpus", "load_controllers", "start_runtime"]
+__all__ = ["RuntimeService", "load_controllers", "start_runtime"]
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +54,6 @@ class RuntimeService:
     def ready(self) -> int:
         return self.runtime.tokenizer.vocab_size
 
-    def pin_off(self, cpus: list[int]) -> list[int]:
-        """Move every thread of this process (new ones inherit it) off ``cpus``; returns the
-        CPUs it runs on. Only for a process of its own (the actor): see ``keep_off_engine``."""
-        allowed = set(os.sched_getaffinity(0)) - set(cpus)
-        if not allowed:  # nothing else to run on: stay
-            return sorted(os.sched_getaffinity(0))
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), allowed)
-            except OSError:  # a thread that just ended
-                pass
-        return sorted(allowed)
-
-    def keep_off_engine(self) -> None:
-        """In the replica's own process (no Ray) the threads are the replica's: not moved."""
-
     def close(self) -> None:
         self._main.close()
         self._side.close()
@@ -100,74 +83,9 @@ def start_runtime(prefix: str, model_dir: str, vocab_size: int, custom: Mapping[
     return _ActorHandle(actor)
 
 
-def engine_cpus() -> set[int]:
-    """The CPUs vLLM's processes under this one are pinned to (its CPU worker binds its compute
-    threads to cores of their own; empty when nothing is pinned, as on GPUs)."""
-    import psutil
-
-    everything = set(os.sched_getaffinity(0))
-    pinned: set[int] = set()
-    for child in _descendants(psutil.Process()):
-        try:  # every thread: OpenMP runtimes pin each compute thread to a core of its own
-            threads = [t.id for t in child.threads()]
-        except psutil.Error:
-            continue
-        for tid in threads:
-            try:
-                cpus = set(os.sched_getaffinity(tid))
-            except OSError:  # gone meanwhile
-                continue
-            if cpus and cpus < everything:
-                pinned |= cpus
-    return pinned
-
-
-def _descendants(root: Any) -> list[Any]:
-    """Processes under ``root``, less Ray's: a process that started Ray has its daemons and
-    workers under it, and a controller runtime actor among them is pinned (off an engine)."""
-    import psutil
-
-    out, todo = [], [root]
-    while todo:
-        try:
-            children = todo.pop().children()
-        except psutil.Error:  # gone meanwhile
-            continue
-        for child in children:
-            try:
-                name, argv = child.name(), child.cmdline()
-            except psutil.Error:
-                continue
-            if name in _RAY_DAEMONS or (argv and argv[0].startswith("ray::")):
-                continue
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-_RAY_DAEMONS = frozenset({"raylet", "gcs_server"})
-
-
 class _ActorHandle:
     def __init__(self, actor: Any) -> None:
         self._actor = actor
-
-    def keep_off_engine(self) -> None:
-        """Keep the runtime's threads off the engine worker's compute cores (``engine_cpus``,
-        called once vLLM is up). The step runs beside the forward pass, so on the worker's
-        cores it would take the forward pass's time: at 16 llguidance streams on 2 cores this
-        alone cost ~5 % of throughput."""
-        import ray
-
-        try:
-            cpus = engine_cpus()
-            if not cpus:
-                return
-            where = ray.get(self._actor.pin_off.remote(sorted(cpus)), timeout=30)
-            log.info("controller runtime keeps off the engine's CPUs %s: runs on %s",
-                     sorted(cpus), where)
-        except Exception as exc:  # placement is an optimisation, never a reason to fail
-            log.warning("controller runtime: could not move off the engine's CPUs: %s", exc)
 
     def close(self) -> None:
         import ray

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import ModelConfig
 from engines.embedded import resolve_model_source
@@ -52,6 +53,7 @@ class PipelineEngine:
     """An :class:`engines.base.Engine` (and ReferenceEngine: the unsplit HF model)."""
 
     def __init__(self, config: ModelConfig, stages: Stages | None = None):
+        placement.claim_compute()  # the origin's layers run here: not moved off an engine
         import torch
         from transformers import AutoTokenizer
 

@@ -164,6 +164,11 @@ def stage_actor_class():
         def __init__(self, model_dir: str, start: int, end: int, dtype: str,
                      attn_implementation: str, threads: int | None, ttl_s: float,
                      device: str = "cpu"):
+            from engines import placement
+
+            # Computes: not moved off an engine's cores, and on every CPU again (a worker forked
+            # from a raylet that was moved starts on the serving CPUs only).
+            placement.claim_compute()
             import torch
 
             from engines.pipeline.loading import load_layers

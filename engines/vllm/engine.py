@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
 from engines.embedded import resolve_model_source
@@ -59,9 +60,9 @@ class VLLMEngine:
         if config.controllers is not None:
             kwargs = self._start_controllers(config.controllers, kwargs)
         args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name], **kwargs)
+        placement.widen()  # vLLM picks its worker's cores from this process's affinity
         self._llm = AsyncLLM.from_engine_args(args)
-        if self._runtime is not None:  # vLLM's worker is up, pinned where it computes
-            self._runtime.keep_off_engine()
+        placement.place()  # its worker is up, pinned where it computes: the rest moves off
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"

@@ -9,7 +9,6 @@ best token the mask allows).
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import openai
@@ -299,24 +298,3 @@ def test_backtracks_in_each_protocol(openai_client, gateway_url):
     text = "".join(f["text"] for f in forks)
     assert "Paris ↩  [redacted]" in text and not any(f["error"] for f in forks), text
     assert forks[-1]["finish_reason"] == "length"
-
-
-def test_the_runtime_actor_runs_off_the_cpus_vllms_worker_computes_on(openai_client):
-    # The step runs beside the forward pass: on the worker's cores it would take its time.
-    import psutil
-
-    assert re.fullmatch(REGEX, _controlled(openai_client).choices[0].text)  # both are up
-    procs = {p.pid: p for p in psutil.process_iter(["cmdline"])}
-
-    def named(prefix: str) -> list[psutil.Process]:
-        return [p for p in procs.values() if (p.info["cmdline"] or [""])[0].startswith(prefix)]
-
-    workers, runtimes = named("VLLM::Worker"), named("ray::RuntimeService")
-    assert workers and runtimes, "the worker and the runtime actor run on this machine"
-    pinned = set().union(*(set(w.cpu_affinity()) for w in workers))
-    everything = set(psutil.Process().cpu_affinity())
-    if pinned == everything:  # a worker that is not pinned (a GPU box): nothing to keep off
-        return
-    for runtime in runtimes:
-        for thread in runtime.threads():
-            assert not set(os.sched_getaffinity(thread.id)) & pinned, (thread.id, pinned)

@@ -1,6 +1,6 @@
-"""The controller runtime keeps off the CPUs vLLM's worker computes on
-(``engines/controllers/service.py``): found from the pinned processes under the replica, and
-every thread of the runtime's process moved, threads it starts later included."""
+"""The serving stack keeps off the CPUs vLLM's worker computes on (``engines/placement.py``):
+the engine's CPUs found from the pinned processes under the replica, every thread of a moved
+process moved (threads it starts later included), and nothing done outside a Ray worker."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from engines.controllers.service import engine_cpus
+from engines import placement
+from engines.placement import engine_cpus, serving_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
@@ -59,25 +60,46 @@ def test_ray_processes_under_this_one_are_not_an_engine():
         child.wait()
 
 
-def test_pin_off_moves_every_thread_and_the_ones_started_later():
-    # In a process of its own, as the runtime's actor is: moving this one would move pytest.
+def test_set_threads_moves_every_thread_and_the_ones_started_later():
+    # In a process of its own, as a replica is: moving this one would move pytest.
     script = textwrap.dedent("""
         import os, threading
-        from engines.controllers.service import RuntimeService
+        from engines.placement import _set_threads
         gate = threading.Event()
         early = threading.Thread(target=gate.wait); early.start()
         avoid = min(os.sched_getaffinity(0))
-        where = RuntimeService.pin_off(None, [avoid])
+        moved = _set_threads(os.getpid(), os.sched_getaffinity(0) - {avoid})
         seen = {}
         late = threading.Thread(target=lambda: seen.update(late=os.sched_getaffinity(0)))
         late.start(); late.join()
         tids = [int(t) for t in os.listdir("/proc/self/task")]
         ok = all(avoid not in os.sched_getaffinity(t) for t in tids) and avoid not in seen["late"]
         gate.set(); early.join()
-        print(ok, avoid in where, len(tids))
+        print(ok, moved, len(tids))
         """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr
-    ok, listed, threads = out.stdout.split()
-    assert (ok, listed) == ("True", "False") and int(threads) >= 2
+    ok, moved, threads = out.stdout.split()
+    assert ok == "True" and int(moved) >= 2 and int(threads) >= 2
+
+
+def test_the_serving_cpus_are_the_ones_no_engine_holds():
+    assert serving_cpus({0, 1, 2, 3}, {0, 1}) == {2, 3}
+    assert serving_cpus({0, 1}, {0}) == {1}
+    # Engines on every CPU: nowhere else to go, so the serving stack stays everywhere.
+    assert serving_cpus({0, 1}, {0, 1}) == {0, 1}
+
+
+def test_nothing_is_placed_or_widened_outside_a_ray_worker():
+    # pytest (a driver at most) keeps its own affinity: an operator's taskset is theirs.
+    before = os.sched_getaffinity(0)
+    assert placement.place() is None
+    assert placement.widen() == before == os.sched_getaffinity(0)
+
+
+def test_placement_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_PLACEMENT", "off")
+    assert not placement.enabled() and placement.place() is None
+    monkeypatch.setenv("LLM_GATEWAY_PLACEMENT", "on")
+    assert placement.enabled()

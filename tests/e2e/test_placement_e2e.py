@@ -1,0 +1,72 @@
+"""The serving stack runs off the cores vLLM's worker computes on (``engines/placement.py``):
+Ray's daemons, Serve's controller and proxy, the replicas, vLLM's scheduler process and the
+controller runtime actor, every thread of each, in the test session's Ray node with its real
+vLLM replica. The oracle is the kernel's own affinity of each thread (psutil / sched_getaffinity),
+against the CPUs the worker's threads are pinned to.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from engines.placement import _claimed, _session_dir
+from tests.e2e.conftest import MODEL
+
+
+def _title(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _threads_cpus(proc: psutil.Process) -> list[set[int]]:
+    out = []
+    try:
+        threads = proc.threads()
+    except psutil.Error:
+        return out
+    for thread in threads:
+        try:
+            out.append(set(os.sched_getaffinity(thread.id)))
+        except OSError:  # ended meanwhile
+            continue
+    return out
+
+
+def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_client):
+    # A controlled request: the engine, its scheduler and the controller runtime are all up.
+    out = openai_client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+        extra_body={"controller": "llguidance",
+                    "controller_arg": {"grammar": {"grammars": [{"lark_grammar":
+                                                                 "start: /[a-z ]{4,}/"}]}}})
+    assert out.choices[0].text
+    me = psutil.Process()
+    raylets = [p for p in me.children(recursive=True) if p.name() == "raylet"]
+    assert raylets, "the session's Ray node runs under this process"
+    node = [p for r in raylets for p in (r, *r.children(recursive=True))]
+    node += [p for p in me.children(recursive=True) if p.name() == "gcs_server"]
+    workers = [p for p in node if _title(p).startswith("VLLM::Worker")]
+    assert workers, "a vLLM worker runs in the session's node"
+    everything = set(os.sched_getaffinity(0))
+    pinned = set().union(*(c for w in workers for c in _threads_cpus(w) if c < everything))
+    if not pinned:
+        pytest.skip("vLLM's worker is not pinned on this machine (a GPU box): nothing to keep off")
+    # A pipeline's origin replica claims its process as computing: it stays where it is.
+    claimed = set().union(*(_claimed(_session_dir(r)) for r in raylets))
+    serving = [p for p in node if p.pid not in claimed and (
+               _title(p).startswith(("ray::ServeController", "ray::ProxyActor",
+                                        "ray::ServeReplica", "ray::RuntimeService",
+                                        "VLLM::EngineCore"))
+               or p.name() in ("raylet", "gcs_server"))]
+    titles = {_title(p).split(" ")[0] for p in serving}
+    assert {"ray::ServeController", "ray::RuntimeService", "VLLM::EngineCore"} <= titles, titles
+    for proc in serving:
+        for cpus in _threads_cpus(proc):
+            assert not cpus & pinned, (_title(proc)[:60], cpus, pinned)
+    for worker in workers:  # the engine itself is where vLLM put it
+        assert any(c <= pinned for c in _threads_cpus(worker))
