@@ -28,10 +28,19 @@ class _Tags:
 
 class SharedTagStore:
     def __init__(self, app_name: str) -> None:
-        # Restarted by Ray if its process dies (tags set since are then lost; calls retry).
-        self._actor = _Tags.options(name=f"aici-tags-{app_name}", namespace=NAMESPACE,
-                                    lifetime="detached", get_if_exists=True, max_restarts=-1,
-                                    max_task_retries=3).remote()
+        self._name = f"aici-tags-{app_name}"
+        self._handle = None
+
+    @property
+    def _actor(self):
+        # Made (or found) on first use: a gateway whose clients never tag pays for no idle
+        # actor process (each costs ~0.005 CPU-s/s, docs/benchmarks.md). Restarted by Ray if
+        # its process dies (tags set since are then lost; calls retry).
+        if self._handle is None:
+            self._handle = _Tags.options(name=self._name, namespace=NAMESPACE,
+                                         lifetime="detached", get_if_exists=True,
+                                         max_restarts=-1, max_task_retries=3).remote()
+        return self._handle
 
     async def tags(self) -> dict[str, dict]:
         return await self._actor.tags.remote()
