@@ -26,7 +26,7 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["COMPUTE_TITLES", "claim_compute", "engine_cpus", "place", "serving_cpus", "widen"]
+__all__ = ["COMPUTE_TITLES", "claim_compute", "place", "serving_cpus", "widen"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 COMPUTE_TITLES = ("VLLM::Worker",)
 # In the Ray session's directory: the pids that claimed to compute, one per line.
 _CLAIMS = "llm_gateway_compute_pids"
-_RAY_DAEMONS = frozenset({"raylet", "gcs_server"})
 
 
 def enabled() -> bool:
@@ -66,14 +65,6 @@ def claim_compute() -> None:
                 claims.write(f"{os.getpid()}\n")
     except Exception as exc:  # placement is an optimisation
         log.warning("could not claim this process as computing: %s", exc)
-
-
-def engine_cpus() -> set[int]:
-    """The CPUs vLLM's processes under this one are pinned to (its CPU worker binds its compute
-    threads to cores of their own; empty when nothing is pinned, as on GPUs)."""
-    import psutil
-
-    return _pinned(_descendants(psutil.Process()), set(os.sched_getaffinity(0)))
 
 
 def serving_cpus(allowed: set[int], engines: set[int]) -> set[int]:
@@ -163,29 +154,6 @@ def _pinned(procs: list[Any], everything: set[int]) -> set[int]:
             if cpus and cpus < everything:
                 pinned |= cpus
     return pinned
-
-
-def _descendants(root: Any) -> list[Any]:
-    """Processes under ``root``, less Ray's: a process that started Ray has its daemons and
-    workers under it, and those are placed, not engines."""
-    import psutil
-
-    out, todo = [], [root]
-    while todo:
-        try:
-            children = todo.pop().children()
-        except psutil.Error:  # gone meanwhile
-            continue
-        for child in children:
-            try:
-                name, argv = child.name(), child.cmdline()
-            except psutil.Error:
-                continue
-            if name in _RAY_DAEMONS or (argv and argv[0].startswith("ray::")):
-                continue
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _raylet() -> Any:

@@ -9,52 +9,33 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 
 from engines import placement
-from engines.placement import engine_cpus, serving_cpus
+from engines.placement import _pinned, serving_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                                 reason="needs two CPUs to move anything")
 
 
-def test_the_engine_cpus_are_those_a_child_process_is_pinned_to():
-    # An engine of an earlier test in this session may be pinned somewhere already.
-    before = engine_cpus()
-    free = sorted(os.sched_getaffinity(0) - before)
-    if not free:
-        pytest.skip("every CPU is pinned by an engine of an earlier test")
-    cpu = free[-1]
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, sys, time
-        os.sched_setaffinity(0, {{{cpu}}})
-        sys.stdout.write("pinned\\n"); sys.stdout.flush()
-        time.sleep(30)""")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline() == "pinned\n"
-        assert engine_cpus() == before | {cpu}
-    finally:
-        child.kill()
-        child.wait()
-    assert engine_cpus() == before  # its process gone: nothing more to keep off
-
-
-def test_ray_processes_under_this_one_are_not_an_engine():
-    # A process that started Ray has Ray's workers under it; a controller runtime actor among
-    # them runs pinned (off an engine), and is not an engine to keep off.
+def test_the_engine_cpus_are_what_a_workers_threads_are_pinned_to():
+    # Every thread counts, not the main one alone: OpenMP runtimes pin one compute thread per
+    # core.
     cpu = max(os.sched_getaffinity(0))
-    before = engine_cpus()
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, sys, time
-        import setproctitle
-        setproctitle.setproctitle("ray::RuntimeService")
-        os.sched_setaffinity(0, {{{cpu}}})
-        sys.stdout.write("pinned\\n"); sys.stdout.flush()
+        import os, sys, threading, time
+        gate = threading.Event()
+        def pinned():
+            os.sched_setaffinity(0, {{{cpu}}}); gate.wait()
+        threading.Thread(target=pinned).start()
+        time.sleep(0.2); sys.stdout.write("pinned\\n"); sys.stdout.flush()
         time.sleep(30)""")], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "pinned\n"
-        assert engine_cpus() == before
+        everything = set(os.sched_getaffinity(0))
+        assert _pinned([psutil.Process(child.pid)], everything) == {cpu}
     finally:
         child.kill()
         child.wait()
