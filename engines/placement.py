@@ -9,30 +9,39 @@ with everything moved, alternating on one running gateway; bare vLLM unchanged b
 docs/benchmarks.md).
 
 :func:`place` moves every process of this Ray node, threads included, onto the CPUs no vLLM
-worker is pinned to. What computes stays where it is: vLLM's workers, and the processes that
-called :func:`claim_compute` (pipeline stage actors, the pipeline's origin replica), which also
-run on every CPU again. A Ray worker forked from a raylet that was moved starts on the serving
-CPUs only, so a vLLM replica calls :func:`widen` before vLLM picks its worker's cores.
+worker is pinned to. What computes stays where it is, with everything under it: vLLM's workers,
+and the processes that claimed the CPU in the session's claims file. :func:`claim_compute`
+claims for good (pipeline stage actors, the pipeline's origin replica) and lets the process
+run on every CPU again. A vLLM replica claims while its engine starts (:func:`widen`, then
+:func:`place` drops the claim): a Ray worker forked from a raylet that was moved starts on the
+serving CPUs only, vLLM picks its worker's cores from the process's affinity, and another
+engine placing the node meanwhile must not narrow it. Claims and placements of one node take
+turns on a file lock; a claim names the pid and its start time (pids are reused).
 
 Only inside a Ray worker process (a replica, an actor), never in a driver or a test process;
 ``LLM_GATEWAY_PLACEMENT=off`` turns it off. Placement never fails a start: an error is logged
 and the node runs as it was. A node whose last engine stopped keeps its placement until the
-next engine starts and places it again.
+next engine starts and places it again. An operator's own ``taskset`` of Ray's processes is
+not kept: a starting engine widens to every CPU the cpuset allows. Only vLLM's CPU workers count
+as engines: on GPUs (workers not pinned) nothing moves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["COMPUTE_TITLES", "claim_compute", "place", "serving_cpus", "widen"]
+__all__ = ["COMPUTE_TITLES", "claim_compute", "claimed", "place", "serving_cpus", "widen"]
 
 log = logging.getLogger(__name__)
 
 # Process titles of what computes: never moved by :func:`place`.
 COMPUTE_TITLES = ("VLLM::Worker",)
-# In the Ray session's directory: the pids that claimed to compute, one per line.
+# In the Ray session's directory: the processes that claim the CPU, one "pid:start time" a line.
 _CLAIMS = "llm_gateway_compute_pids"
 
 
@@ -41,30 +50,34 @@ def enabled() -> bool:
 
 
 def widen() -> set[int]:
-    """Let every thread of this process run on every CPU the kernel allows it (the cpuset
-    intersects the request); returns that set. Called before vLLM picks its cores (from this
-    process's affinity) and before a stage actor imports torch (OpenMP sizes its pool then)."""
-    if not (enabled() and _in_ray_worker()):
-        return set(os.sched_getaffinity(0))
-    everything = set(range(os.cpu_count() or 1))
-    _set_threads(os.getpid(), everything)
-    return set(os.sched_getaffinity(0))
+    """Claim this process while its engine starts (:func:`place` drops the claim) and let every
+    thread of it run on every CPU the kernel allows it (the cpuset intersects the request);
+    returns the CPUs it may use now. Called before vLLM picks its worker's cores from this
+    process's affinity."""
+    return _claim()
 
 
 def claim_compute() -> None:
-    """This process computes (a pipeline stage or origin): :func:`place` leaves it alone, and
-    it runs on every CPU again. Before torch loads OpenMP where possible, which sizes its pool
-    from this process's CPUs."""
-    widen()
+    """This process computes (a pipeline stage or origin): :func:`place` leaves it and what is
+    under it alone, and it runs on every CPU again. Before torch loads OpenMP where possible,
+    which sizes its pool from this process's CPUs."""
+    _claim()
+
+
+def _claim() -> set[int]:
     if not (enabled() and _in_ray_worker()):
-        return
+        return set(os.sched_getaffinity(0))
     try:
         session = _session_dir(_raylet())
         if session:
-            with open(os.path.join(session, _CLAIMS), "a") as claims:
-                claims.write(f"{os.getpid()}\n")
-    except Exception as exc:  # placement is an optimisation
-        log.warning("could not claim this process as computing: %s", exc)
+            # Claimed before widened: a placement running now either sees the claim or ran
+            # before the widening, never narrows this process after it.
+            with _claims(session) as claims:
+                claims.add(_key(os.getpid()))
+        _set_threads(os.getpid(), set(range(os.cpu_count() or 1)))
+    except Exception as exc:  # placement is an optimisation, never a reason to fail
+        log.warning("could not claim this process's CPUs: %s", exc)
+    return set(os.sched_getaffinity(0))
 
 
 def serving_cpus(allowed: set[int], engines: set[int]) -> set[int]:
@@ -82,23 +95,84 @@ def place() -> dict[str, Any] | None:
         if not _in_ray_worker():
             return None
         raylet = _raylet()
-        if raylet is None:
+        session = _session_dir(raylet)
+        if raylet is None or session is None:
             return None
-        procs = _node_processes(raylet)
-        claimed = _claimed(_session_dir(raylet))
-        allowed = set(range(os.cpu_count() or 1)) & set(os.sched_getaffinity(0))
-        compute = [p for p in procs if p.pid in claimed or _title(p).startswith(COMPUTE_TITLES)]
-        engines = _pinned([p for p in compute if _title(p).startswith("VLLM::Worker")], allowed)
-        if not engines:
-            return None
-        target = serving_cpus(allowed, engines)
-        moved = sum(_set_threads(p.pid, target) for p in procs if p not in compute)
-        log.info("serving processes (%d threads) moved to CPUs %s, off the engines' %s",
-                 moved, sorted(target), sorted(engines))
-        return {"engine_cpus": sorted(engines), "serving_cpus": sorted(target), "threads": moved}
+        with _claims(session) as claims:  # one placement or claim of this node at a time
+            claims.discard(_key(os.getpid()))  # this replica's engine is up: it serves now
+            return _place(raylet, session, claims)
     except Exception as exc:  # an optimisation, never a reason to fail
         log.warning("could not keep the serving processes off the engine's CPUs: %s", exc)
         return None
+
+
+def _place(raylet: Any, session: str, claims: set[str]) -> dict[str, Any] | None:
+    procs = _node_processes(raylet, session)
+    allowed = set(range(os.cpu_count() or 1)) & set(os.sched_getaffinity(0))
+    workers = [p for p in procs if _title(p).startswith(COMPUTE_TITLES)]
+    engines = _pinned(workers, allowed)
+    if not engines:
+        return None
+    keep = {p.pid for p in workers}
+    for proc in procs:
+        if _key(proc.pid) in claims:
+            keep.add(proc.pid)
+            keep.update(_pids_under(proc))
+    target = serving_cpus(allowed, engines)
+    moved = sum(_set_threads(p.pid, target) for p in procs if p.pid not in keep)
+    log.info("serving processes (%d threads) moved to CPUs %s, off the engines' %s",
+             moved, sorted(target), sorted(engines))
+    return {"engine_cpus": sorted(engines), "serving_cpus": sorted(target), "threads": moved}
+
+
+@contextlib.contextmanager
+def _claims(session: str) -> Iterator[set[str]]:
+    """The node's claims, read and written back under an exclusive lock; claims of processes
+    that are gone are dropped."""
+    with open(os.path.join(session, _CLAIMS), "a+") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            file.seek(0)
+            claims = {line.strip() for line in file if line.strip()}
+            claims = {c for c in claims if _alive(c)}
+            yield claims
+            file.seek(0)
+            file.truncate()
+            file.write("".join(f"{c}\n" for c in sorted(claims)))
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _key(pid: int) -> str:
+    """A process as a claim names it: pid and start time, since pids are reused."""
+    import psutil
+
+    return f"{pid}:{psutil.Process(pid).create_time()}"
+
+
+def _alive(claim: str) -> bool:
+    pid, _, _ = claim.partition(":")
+    try:
+        return pid.isdigit() and _key(int(pid)) == claim
+    except Exception:  # gone (psutil.NoSuchProcess) or unreadable
+        return False
+
+
+def claimed(session: str | None) -> set[int]:
+    """The pids that claim the CPU in ``session`` now (for tests and diagnostics)."""
+    if not session:
+        return set()
+    with _claims(session) as claims:
+        return {int(c.partition(":")[0]) for c in claims}
+
+
+def _pids_under(proc: Any) -> set[int]:
+    import psutil
+
+    try:
+        return {p.pid for p in proc.children(recursive=True)}
+    except psutil.Error:
+        return set()
 
 
 def _in_ray_worker() -> bool:
@@ -173,28 +247,16 @@ def _session_dir(raylet: Any) -> str | None:
                  if arg.startswith("--session_dir=")), None)
 
 
-def _claimed(session: str | None) -> set[int]:
-    if not session:
-        return set()
-    try:
-        with open(os.path.join(session, _CLAIMS)) as claims:
-            return {int(line) for line in claims if line.strip().isdigit()}
-    except OSError:  # nothing claimed yet
-        return set()
-
-
-def _node_processes(raylet: Any) -> list[Any]:
+def _node_processes(raylet: Any, session: str) -> list[Any]:
     """This Ray node's processes: the raylet and everything under it (workers, actors, agents,
     HAProxy), and the session's daemons started beside it (GCS, dashboard, monitors: their
     command lines name the session's directory) with theirs."""
     import psutil
 
-    session = _session_dir(raylet)
     roots = [raylet]
-    if session:
-        for proc in psutil.process_iter():
-            if proc.pid != raylet.pid and session in _title(proc):
-                roots.append(proc)
+    for proc in psutil.process_iter():
+        if proc.pid != raylet.pid and session in _title(proc):
+            roots.append(proc)
     seen: dict[int, Any] = {}
     for root in roots:
         try:

@@ -5,6 +5,8 @@ protocol alone) the protocol keeps its own in-process store."""
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 
 __all__ = ["SharedTagStore"]
@@ -30,20 +32,23 @@ class SharedTagStore:
     def __init__(self, app_name: str) -> None:
         self._name = f"aici-tags-{app_name}"
         self._handle = None
+        self._making = asyncio.Lock()
 
-    @property
-    def _actor(self):
-        # Made (or found) on first use: a gateway whose clients never tag pays for no idle
-        # actor process (each costs ~0.005 CPU-s/s, docs/benchmarks.md). Restarted by Ray if
-        # its process dies (tags set since are then lost; calls retry).
-        if self._handle is None:
-            self._handle = _Tags.options(name=self._name, namespace=NAMESPACE,
-                                         lifetime="detached", get_if_exists=True,
-                                         max_restarts=-1, max_task_retries=3).remote()
+    async def _actor(self):
+        # Made (or found) on first use: a gateway whose clients never tag runs no idle actor
+        # process for it (each costs ~0.005 CPU-s/s, docs/benchmarks.md). Ray looks it up in
+        # the GCS synchronously: off the event loop. Restarted by Ray if its process dies (tags
+        # set since are then lost; calls retry).
+        async with self._making:
+            if self._handle is None:
+                self._handle = await asyncio.to_thread(
+                    lambda: _Tags.options(name=self._name, namespace=NAMESPACE,
+                                          lifetime="detached", get_if_exists=True,
+                                          max_restarts=-1, max_task_retries=3).remote())
         return self._handle
 
     async def tags(self) -> dict[str, dict]:
-        return await self._actor.tags.remote()
+        return await (await self._actor()).tags.remote()
 
     async def set(self, infos: list[dict]) -> None:
-        await self._actor.set.remote(infos)
+        await (await self._actor()).set.remote(infos)

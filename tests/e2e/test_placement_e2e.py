@@ -12,7 +12,7 @@ import os
 import psutil
 import pytest
 
-from engines.placement import _claimed, _session_dir
+from engines.placement import _session_dir, claimed
 from tests.e2e.conftest import MODEL
 
 
@@ -56,9 +56,12 @@ def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_
     pinned = set().union(*(c for w in workers for c in _threads_cpus(w) if c < everything))
     if not pinned:
         pytest.skip("vLLM's worker is not pinned on this machine (a GPU box): nothing to keep off")
-    # A pipeline's origin replica claims its process as computing: it stays where it is.
-    claimed = set().union(*(_claimed(_session_dir(r)) for r in raylets))
-    serving = [p for p in node if p.pid not in claimed and (
+    # A pipeline's origin replica claims its process as computing, and so does a vLLM replica
+    # while its engine starts: each stays where it is with what runs under it.
+    kept = set()
+    for pid in set().union(*(claimed(_session_dir(r)) for r in raylets)):
+        kept |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+    serving = [p for p in node if p.pid not in kept and (
                _title(p).startswith(("ray::ServeController", "ray::ProxyActor",
                                         "ray::ServeReplica", "ray::RuntimeService",
                                         "VLLM::EngineCore"))

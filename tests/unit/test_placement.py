@@ -28,9 +28,10 @@ def test_the_engine_cpus_are_what_a_workers_threads_are_pinned_to():
         import os, sys, threading, time
         gate = threading.Event()
         def pinned():
-            os.sched_setaffinity(0, {{{cpu}}}); gate.wait()
-        threading.Thread(target=pinned).start()
-        time.sleep(0.2); sys.stdout.write("pinned\\n"); sys.stdout.flush()
+            os.sched_setaffinity(0, {{{cpu}}})
+            sys.stdout.write("pinned\\n"); sys.stdout.flush()
+            gate.wait()
+        threading.Thread(target=pinned, daemon=True).start()
         time.sleep(30)""")], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "pinned\n"
@@ -84,3 +85,22 @@ def test_placement_can_be_turned_off(monkeypatch):
     assert not placement.enabled() and placement.place() is None
     monkeypatch.setenv("LLM_GATEWAY_PLACEMENT", "on")
     assert placement.enabled()
+
+
+def test_claims_name_live_processes_and_drop_the_gone(tmp_path):
+    # A claim is a pid with its start time: a reused pid is not the claimant, and a claim of a
+    # process that is gone disappears the next time the node's claims are read.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with placement._claims(str(tmp_path)) as claims:
+            claims.add(placement._key(child.pid))
+            claims.add(placement._key(os.getpid()))
+            claims.add(f"{os.getpid()}:1.0")  # this pid, another start time: not this process
+        assert placement.claimed(str(tmp_path)) == {child.pid, os.getpid()}
+        with placement._claims(str(tmp_path)) as claims:
+            claims.discard(placement._key(os.getpid()))
+    finally:
+        child.kill()
+        child.wait()
+    assert placement.claimed(str(tmp_path)) == set()
+    assert (tmp_path / placement._CLAIMS).read_text() == ""
