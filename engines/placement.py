@@ -10,12 +10,12 @@ docs/benchmarks.md).
 
 :func:`place` moves every process of this Ray node, threads included, onto the CPUs no vLLM
 worker is pinned to. What computes stays where it is, with everything under it: vLLM's workers,
-and the processes that claimed the CPU in the session's claims file. :func:`claim_compute`
-claims for good (pipeline stage actors, the pipeline's origin replica) and lets the process
-run on every CPU again. A vLLM replica claims while its engine starts (:func:`widen`, then
-:func:`place` drops the claim): a Ray worker forked from a raylet that was moved starts on the
-serving CPUs only, vLLM picks its worker's cores from the process's affinity, and another
-engine placing the node meanwhile must not narrow it. Claims and placements of one node take
+and the processes that called :func:`claim` (recorded in the session's claims file), which
+also run on every CPU again. Pipeline stage actors and the pipeline's origin replica claim for
+good. A vLLM replica claims while its engine starts and its own :func:`place` drops the claim:
+a Ray worker forked from a raylet that was moved starts on the serving CPUs only, vLLM picks
+its worker's cores from the process's affinity, and another engine placing the node meanwhile
+must not narrow it. Claims and placements of one node take
 turns on a file lock; a claim names the pid and its start time (pids are reused).
 
 Only inside a Ray worker process (a replica, an actor), never in a driver or a test process;
@@ -35,7 +35,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["COMPUTE_TITLES", "claim_compute", "claimed", "place", "serving_cpus", "widen"]
+__all__ = ["COMPUTE_TITLES", "claim", "claimed", "place", "serving_cpus"]
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +49,12 @@ def enabled() -> bool:
     return os.environ.get("LLM_GATEWAY_PLACEMENT", "on").lower() not in ("off", "0", "false")
 
 
-def widen() -> set[int]:
-    """Claim this process while its engine starts (:func:`place` drops the claim) and let every
-    thread of it run on every CPU the kernel allows it (the cpuset intersects the request);
-    returns the CPUs it may use now. Called before vLLM picks its worker's cores from this
-    process's affinity."""
-    return _claim()
-
-
-def claim_compute() -> None:
-    """This process computes (a pipeline stage or origin): :func:`place` leaves it and what is
-    under it alone, and it runs on every CPU again. Before torch loads OpenMP where possible,
-    which sizes its pool from this process's CPUs."""
-    _claim()
-
-
-def _claim() -> set[int]:
+def claim() -> set[int]:
+    """This process computes (a pipeline stage or origin, a vLLM replica until its engine is
+    up): :func:`place` leaves it and what is under it alone, and every thread of it runs on
+    every CPU the kernel allows it again (the cpuset intersects the request). Call it before
+    torch loads OpenMP, which sizes its pool from this process's CPUs, and before vLLM picks its
+    worker's cores. Returns the CPUs this process may use now."""
     if not (enabled() and _in_ray_worker()):
         return set(os.sched_getaffinity(0))
     try:
@@ -108,14 +98,15 @@ def place() -> dict[str, Any] | None:
 
 def _place(raylet: Any, session: str, claims: set[str]) -> dict[str, Any] | None:
     procs = _node_processes(raylet, session)
-    allowed = set(range(os.cpu_count() or 1)) & set(os.sched_getaffinity(0))
+    allowed = set(os.sched_getaffinity(0))  # the placing replica claimed every CPU
     workers = [p for p in procs if _title(p).startswith(COMPUTE_TITLES)]
     engines = _pinned(workers, allowed)
     if not engines:
         return None
     keep = {p.pid for p in workers}
+    claimants = _pids(claims)  # claims of gone or reused pids were dropped already
     for proc in procs:
-        if _key(proc.pid) in claims:
+        if proc.pid in claimants:
             keep.add(proc.pid)
             keep.update(_pids_under(proc))
     target = serving_cpus(allowed, engines)
@@ -163,7 +154,11 @@ def claimed(session: str | None) -> set[int]:
     if not session:
         return set()
     with _claims(session) as claims:
-        return {int(c.partition(":")[0]) for c in claims}
+        return _pids(claims)
+
+
+def _pids(claims: set[str]) -> set[int]:
+    return {int(c.partition(":")[0]) for c in claims}
 
 
 def _pids_under(proc: Any) -> set[int]:

@@ -53,7 +53,7 @@ class PipelineEngine:
     """An :class:`engines.base.Engine` (and ReferenceEngine: the unsplit HF model)."""
 
     def __init__(self, config: ModelConfig, stages: Stages | None = None):
-        placement.claim_compute()  # the origin's layers run here: not moved off an engine
+        placement.claim()  # the origin's layers run here: not moved off an engine
         import torch
         from transformers import AutoTokenizer
 

@@ -168,7 +168,7 @@ def stage_actor_class():
 
             # Computes: not moved off an engine's cores, and on every CPU again (a worker forked
             # from a raylet that was moved starts on the serving CPUs only).
-            placement.claim_compute()
+            placement.claim()
             import torch
 
             from engines.pipeline.loading import load_layers

@@ -60,7 +60,7 @@ class VLLMEngine:
         if config.controllers is not None:
             kwargs = self._start_controllers(config.controllers, kwargs)
         args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name], **kwargs)
-        placement.widen()  # vLLM picks its worker's cores from this process's affinity
+        placement.claim()  # vLLM picks its worker's cores from this process's affinity
         self._llm = AsyncLLM.from_engine_args(args)
         placement.place()  # its worker is up, pinned where it computes: the rest moves off
         self._tokenizer = self._llm.get_tokenizer()

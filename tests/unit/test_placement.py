@@ -77,7 +77,7 @@ def test_nothing_is_placed_or_widened_outside_a_ray_worker():
     # pytest (a driver at most) keeps its own affinity: an operator's taskset is theirs.
     before = os.sched_getaffinity(0)
     assert placement.place() is None
-    assert placement.widen() == before == os.sched_getaffinity(0)
+    assert placement.claim() == before == os.sched_getaffinity(0)
 
 
 def test_placement_can_be_turned_off(monkeypatch):
