@@ -73,3 +73,35 @@ def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_
             assert not cpus & pinned, (_title(proc)[:60], cpus, pinned)
     for worker in workers:  # the engine itself is where vLLM put it
         assert any(c <= pinned for c in _threads_cpus(worker))
+
+
+def _threads_nice(proc: psutil.Process) -> list[int]:
+    out = []
+    try:
+        threads = proc.threads()
+    except psutil.Error:
+        return out
+    for thread in threads:
+        try:
+            out.append(os.getpriority(os.PRIO_PROCESS, thread.id))
+        except OSError:  # ended meanwhile
+            continue
+    return out
+
+
+def test_the_engine_runs_at_the_priority_of_rays_daemons(openai_client):
+    # Ray starts its workers at nice 15 unless told otherwise (gateway/serve_env.py sets
+    # RAY_worker_niceness=0); vLLM's scheduler and worker inherit it from their replica and
+    # would lose every wake-up to the daemons and to anything else on the box.
+    assert openai_client.completions.create(model=MODEL, prompt="Hello", max_tokens=2,
+                                            temperature=0).choices[0].text is not None
+    me = psutil.Process()
+    raylet = next(p for p in me.children(recursive=True) if p.name() == "raylet")
+    daemon_nice = raylet.nice()
+    engine = [p for p in raylet.children(recursive=True)
+              if _title(p).startswith(("VLLM::Worker", "VLLM::EngineCore", "ray::ServeReplica"))]
+    titles = {_title(p).split(" ")[0] for p in engine}
+    assert {"VLLM::Worker", "VLLM::EngineCore"} <= titles, titles
+    for proc in engine:
+        nices = _threads_nice(proc)
+        assert nices and set(nices) == {daemon_nice}, (_title(proc)[:60], set(nices), daemon_nice)
