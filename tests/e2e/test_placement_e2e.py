@@ -8,12 +8,16 @@ against the CPUs the worker's threads are pinned to.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import psutil
 import pytest
 
 from engines.placement import _session_dir, claimed
 from tests.e2e.conftest import MODEL
+
+T = TypeVar("T")
 
 
 def _title(proc: psutil.Process) -> str:
@@ -23,7 +27,8 @@ def _title(proc: psutil.Process) -> str:
         return ""
 
 
-def _threads_cpus(proc: psutil.Process) -> list[set[int]]:
+def _per_thread(proc: psutil.Process, read: Callable[[int], T]) -> list[T]:
+    """``read(thread id)`` for every thread of ``proc`` that is still there."""
     out = []
     try:
         threads = proc.threads()
@@ -31,10 +36,14 @@ def _threads_cpus(proc: psutil.Process) -> list[set[int]]:
         return out
     for thread in threads:
         try:
-            out.append(set(os.sched_getaffinity(thread.id)))
+            out.append(read(thread.id))
         except OSError:  # ended meanwhile
             continue
     return out
+
+
+def _threads_cpus(proc: psutil.Process) -> list[set[int]]:
+    return _per_thread(proc, lambda tid: set(os.sched_getaffinity(tid)))
 
 
 def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_client):
@@ -76,17 +85,7 @@ def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_
 
 
 def _threads_nice(proc: psutil.Process) -> list[int]:
-    out = []
-    try:
-        threads = proc.threads()
-    except psutil.Error:
-        return out
-    for thread in threads:
-        try:
-            out.append(os.getpriority(os.PRIO_PROCESS, thread.id))
-        except OSError:  # ended meanwhile
-            continue
-    return out
+    return _per_thread(proc, lambda tid: os.getpriority(os.PRIO_PROCESS, tid))
 
 
 def test_the_engine_runs_at_the_priority_of_rays_daemons(openai_client):
