@@ -3,6 +3,7 @@ tokens summed over rounds (not averaged per round)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 from bench.compare import summarize
@@ -41,3 +42,15 @@ def test_the_controller_benches_import():
     from bench import controlled_throughput, controllers
     assert controlled_throughput.REGEX["grammar"]["grammars"][0]["lark_grammar"]
     assert callable(controllers.measure)
+
+
+def test_the_stall_bench_uses_compare_s_helpers_that_exist():
+    # bench/stall.py reuses compare.py's starters and private helpers; a rename there would only
+    # show when measuring.
+    from bench import compare, stall
+    for name in ("_wait_ready", "_bench", "_stop", "_bin", "_models", "_hog"):
+        assert callable(getattr(compare, name)), name
+    assert "gateway-colocated-haproxy" in compare.STARTERS and "bare" in compare.STARTERS
+    threads = stall._schedstat({os.getpid(): "pytest"})
+    comm, run_ns, wait_ns, slices = threads[(os.getpid(), os.getpid())]
+    assert run_ns > 0 and wait_ns >= 0 and slices > 0 and comm
