@@ -68,7 +68,7 @@ def _waits(pids: dict[int, str], before: dict, after: dict, top: int) -> list[di
 
 
 def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurrency: int,
-                   top: int) -> dict:
+                   top: int, client: str = "normal") -> dict:
     name, model_dir, overrides = model
     port = compare.PORTS[target]
     proc = compare.STARTERS[target](name, model_dir, overrides)
@@ -79,7 +79,7 @@ def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurr
         out = []
         for i in range(runs):
             r = compare._bench(port, name, model_dir, concurrency, max(64, 2 * concurrency),
-                               "openai")
+                               "openai", client)
             row = {"target": target, "run": i, "t_s": round(time.monotonic() - start, 1),
                    "tok_s": round(r["output_throughput"]),
                    "ttft_p50": round(r["median_ttft_ms"]), "ttft_p90": round(r["p90_ttft_ms"]),
@@ -102,15 +102,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--hog", action="store_true")
+    parser.add_argument("--client-priority", dest="client", choices=compare.CLIENT_PRIORITIES,
+                        default="realtime", help="scheduling of the load generator")
     parser.add_argument("--top", type=int, default=25, help="threads listed per server")
     args = parser.parse_args()
     unknown = set(args.targets) - set(compare.STARTERS)
     if unknown:
         raise SystemExit(f"unknown targets {sorted(unknown)}: {sorted(compare.STARTERS)}")
     (model,) = compare._models([args.model])
+    client = compare.client_priority(args.client)
     hog = compare._hog() if args.hog else None
     try:
-        results = {t: measure_target(t, model, args.runs, args.concurrency, args.top)
+        results = {t: measure_target(t, model, args.runs, args.concurrency, args.top, client)
                    for t in args.targets}
     finally:
         if hog:

@@ -54,3 +54,28 @@ def test_the_stall_bench_uses_compare_s_helpers_that_exist():
     threads = stall._schedstat({os.getpid(): "pytest"})
     comm, run_ns, wait_ns, slices = threads[(os.getpid(), os.getpid())]
     assert run_ns > 0 and wait_ns >= 0 and slices > 0 and comm
+
+
+def test_the_load_generator_runs_at_the_priority_it_was_granted(monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    from bench import compare
+    assert compare.client_priority("normal") == "normal"
+
+    # Granted (root / CAP_SYS_NICE): a child started with the hook runs SCHED_FIFO.
+    if compare.client_priority("realtime") == "realtime":
+        policy = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+            preexec_fn=compare._realtime, capture_output=True, text=True, check=True).stdout
+        assert int(policy) == os.SCHED_FIFO
+
+    # Refused: the bench measures at normal priority, says so, and the rows record it.
+    def refuse(*_):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(compare.os, "sched_setscheduler", refuse)
+    assert compare.client_priority("realtime") == "normal"
+    assert "normal priority" in capsys.readouterr().err
+    rows = [_row("bare", 0, 100, 0.5) | {"client": "realtime"}, _row("gateway", 0, 90, 1.0)]
+    text = summarize(rows, SimpleNamespace(backend="openai", hog=True))
+    assert "load generator at normal / realtime priority" in text
