@@ -8,8 +8,13 @@ tokens each. Each run gets fresh prompts so none of them is served from the pref
     python bench/protocols.py --url http://127.0.0.1:8000 [--num-prompts 64] [--concurrency 16]
 
 Without ``--url`` it starts the gateway itself (``serve run``; ``--layout fast`` for the
-colocated engine behind HAProxy) and stops it afterwards.
-Throughput counts generated tokens as each protocol reports them.
+colocated engine behind HAProxy) and stops it afterwards, and then also reports the gateway's CPU
+seconds per 1,000 tokens outside vLLM's engine processes for each path (``cputime.py``), the
+figure that does not depend on the box. Each round runs the paths in another order (rotated), so
+none always runs first or last. The clients run in this process, at real-time priority where the
+OS allows it (``--client-priority``, as ``compare.py``'s load generator): on a small box a client
+waiting for a core would otherwise be counted as its path's cost; their own CPU per 1,000 tokens
+is reported too. Throughput counts generated tokens as each protocol reports them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -30,11 +36,15 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import cputime  # noqa: E402
 from bench.compare import (  # noqa: E402
+    _CLIENT_FIFO_PRIORITY,
+    CLIENT_PRIORITIES,
     PORTS,
     RESULTS,
     STARTERS,
     _bin,
+    _machine,
     _stop,
     _wait_ready,
 )
@@ -145,7 +155,8 @@ class _LMTPConnection:
                     return tokens, ttft
 
 
-async def _drive(name: str, prompts, concurrency: int, max_tokens: int, make_runner) -> dict:
+async def _drive(name: str, prompts, concurrency: int, max_tokens: int, make_runner,
+                 server_pid: int | None = None) -> dict:
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
@@ -156,13 +167,39 @@ async def _drive(name: str, prompts, concurrency: int, max_tokens: int, make_run
             while not queue.empty():
                 results.append(await run(queue.get_nowait(), max_tokens))
 
-    started = time.perf_counter()
+    server = cputime.snapshot(server_pid) if server_pid else {}
+    client, started = time.process_time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     duration = time.perf_counter() - started
+    client = time.process_time() - client
     tokens = sum(t for t, _ in results)
-    return {"protocol": name, "tokens": tokens, "seconds": duration,
-            "tok_per_s": tokens / duration,
-            "median_ttft_ms": statistics.median(f for _, f in results) * 1000}
+    row = {"protocol": name, "tokens": tokens, "seconds": duration,
+           "tok_per_s": tokens / duration,
+           "median_ttft_ms": statistics.median(f for _, f in results) * 1000,
+           "client_cpu_s": round(client, 3)}
+    if server_pid:
+        row.update(cputime.spent(server, cputime.snapshot(server_pid)))
+    return row
+
+
+def rotated(paths: list[str], round_no: int) -> list[str]:
+    """Round 1 runs the paths as given, round 2 starts at the second, and so on."""
+    k = (round_no - 1) % len(paths)
+    return paths[k:] + paths[:k]
+
+
+def _realtime_client(wanted: str) -> str:
+    """Run this process (the clients) at real-time priority if ``wanted`` and allowed; children
+    it starts later (``ray stop``) return to normal priority. Returns what it got."""
+    if wanted == "normal":
+        return wanted
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK,
+                              os.sched_param(_CLIENT_FIFO_PRIORITY))
+    except OSError as exc:
+        print(f"clients at normal priority: real-time refused ({exc})", file=sys.stderr)
+        return "normal"
+    return wanted
 
 
 def _http_runner(url: str, one):
@@ -199,7 +236,7 @@ PATHS = {
 }
 
 
-async def measure(url: str, args) -> list[dict]:
+async def measure(url: str, args, server_pid: int | None = None) -> list[dict]:
     # Every (round, path) gets its own prompts (same lengths, another seed): reusing prompts
     # would let later runs hit vLLM's prefix cache and skip their prefills.
     seeds = iter(range(1000))
@@ -209,10 +246,12 @@ async def measure(url: str, args) -> list[dict]:
         await _drive("warmup", warm, 4, 8, lambda make=make: make(url))
     rows = []
     for round_no in range(1, args.rounds + 1):
-        for name, make in paths.items():
+        for name in rotated(list(paths), round_no):
+            make = paths[name]
             prompts = _prompts(url, args.num_prompts, 128, seed=next(seeds))
-            row = await _drive(name, prompts, args.concurrency, 64, lambda make=make: make(url))
-            row = {"round": round_no, **row}
+            row = await _drive(name, prompts, args.concurrency, 64, lambda make=make: make(url),
+                               server_pid)
+            row = {"round": round_no, "client": args.client, **row}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -222,21 +261,31 @@ def summarize(rows: list[dict], args) -> str:
     def mean(name, key):
         return statistics.mean(r[key] for r in rows if r["protocol"] == name)
 
+    def per_1k(name, key):
+        got = [r for r in rows if r["protocol"] == name and key in r]
+        return 1000 * sum(r[key] for r in got) / sum(r["tokens"] for r in got) if got else None
+
     labels = {"openai": "OpenAI `/v1/completions` (SSE)", "lmtp": "LMTP websocket",
               "mindie": "MindIE `generate_stream` (SSE)",
               "lmi": "LMI `/predictions` (JSON lines)", "tgi": "TGI `/generate_stream` (SSE)"}
     base = mean("openai", "tok_per_s")
     lines = [
         f"Same gateway and engine; {args.num_prompts} random 128-token prompts, 64 greedy new "
-        f"tokens, concurrency {args.concurrency}, {args.rounds} alternating rounds (means).",
+        f"tokens, concurrency {args.concurrency}, {args.rounds} rounds, path order rotated "
+        f"each round (means); clients at {args.client} priority.",
         "",
-        "| path | output tok/s | median TTFT (ms) | vs OpenAI |",
-        "|---|---|---|---|",
+        f"Machine: {_machine()}.",
+        "",
+        "| path | output tok/s | median TTFT (ms) | vs OpenAI | gateway CPU s / 1k tok "
+        "outside engine | client CPU s / 1k tok |",
+        "|---|---|---|---|---|---|",
     ]
     for name in args.paths:
         tps = mean(name, "tok_per_s")
+        server = per_1k(name, "other_cpu_s")
+        server_s = "n/a (--url)" if server is None else f"{server:.2f}"
         lines.append(f"| {labels[name]} | {tps:.1f} | {mean(name, 'median_ttft_ms'):.0f} | "
-                     f"{tps / base:.3f}x |")
+                     f"{tps / base:.3f}x | {server_s} | {per_1k(name, 'client_cpu_s'):.2f} |")
     return "\n".join(lines)
 
 
@@ -248,6 +297,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--client-priority", dest="client", choices=CLIENT_PRIORITIES,
+                        default="realtime", help="scheduling of the clients (this process)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated, openai first (default: {','.join(PATHS)})")
     args = parser.parse_args()
@@ -264,7 +315,8 @@ def main() -> None:
     try:
         if proc is not None:
             _wait_ready(url, MODEL, proc)
-        rows = asyncio.run(measure(url, args))
+        args.client = _realtime_client(args.client)  # after the start: the gateway stays normal
+        rows = asyncio.run(measure(url, args, proc.pid if proc is not None else None))
     finally:
         if proc is not None:
             import subprocess

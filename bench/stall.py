@@ -31,14 +31,32 @@ _SERVING_PREFIXES = ("ray::", "VLLM::")
 _SERVING_NAMES = ("raylet", "gcs_server", "haproxy")
 
 
-def _serving_pids() -> dict[int, str]:
+def _label(cmdline: list[str], name: str) -> str:
+    title = " ".join(cmdline)
+    if title.startswith(_SERVING_PREFIXES) or not cmdline:
+        return title[:40] or name
+    # A plain interpreter (Ray's dashboard, log monitor, agents; `serve run`): name its script.
+    return " ".join(Path(a).name for a in cmdline[:3])[:40]
+
+
+def _serving_pids(root_pid: int | None = None) -> dict[int, str]:
+    """The serving processes: the tree under the server the benchmark started, and anything
+    titled like Ray's or vLLM's (Ray's workers are not always that tree's descendants)."""
+    tree = set()
+    if root_pid is not None:
+        try:
+            root = psutil.Process(root_pid)
+            tree = {root.pid, *(c.pid for c in root.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            pass
     out = {}
     for proc in psutil.process_iter(["cmdline", "name"]):
         cmdline = proc.info["cmdline"] or []
         title = " ".join(cmdline)
-        if (title.startswith(_SERVING_PREFIXES) or proc.info["name"] in _SERVING_NAMES
+        if (proc.pid in tree or title.startswith(_SERVING_PREFIXES)
+                or proc.info["name"] in _SERVING_NAMES
                 or "vllm.entrypoints.openai.api_server" in title):
-            out[proc.pid] = title[:40] or proc.info["name"]
+            out[proc.pid] = _label(cmdline, proc.info["name"])
     return out
 
 
@@ -56,7 +74,8 @@ def _schedstat(pids: dict[int, str]) -> dict[tuple[int, int], tuple[str, int, in
     return out
 
 
-def _waits(pids: dict[int, str], before: dict, after: dict, top: int) -> list[dict]:
+def _threads(pids: dict[int, str], before: dict, after: dict) -> list[dict]:
+    """Every serving thread's run-queue wait, time on a CPU and slices between two readings."""
     rows = []
     for key, (comm, run, wait, slices) in after.items():
         if key in before:
@@ -64,17 +83,27 @@ def _waits(pids: dict[int, str], before: dict, after: dict, top: int) -> list[di
             rows.append({"process": pids[key[0]], "thread": comm,
                          "wait_ms": round((wait - wait0) / 1e6), "run_ms": round((run - run0) / 1e6),
                          "slices": slices - slices0})
-    return sorted(rows, key=lambda r: r["wait_ms"], reverse=True)[:top]
+    return rows
+
+
+def _per_process(rows: list[dict]) -> list[dict]:
+    """On-CPU and waiting time summed per process, most CPU first: where the CPU went."""
+    totals: dict[str, dict] = {}
+    for r in rows:
+        t = totals.setdefault(r["process"], {"process": r["process"], "run_ms": 0, "wait_ms": 0})
+        t["run_ms"] += r["run_ms"]
+        t["wait_ms"] += r["wait_ms"]
+    return sorted(totals.values(), key=lambda t: t["run_ms"], reverse=True)
 
 
 def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurrency: int,
-                   top: int, client: str = "normal") -> dict:
+                   top: int, client: str = "normal", sort: str = "wait_ms") -> dict:
     name, model_dir, overrides = model
     port = compare.PORTS[target]
     proc = compare.STARTERS[target](name, model_dir, overrides)
     try:
         compare._wait_ready(f"http://127.0.0.1:{port}", name, proc)
-        pids = _serving_pids()
+        pids = _serving_pids(proc.pid)
         before, start = _schedstat(pids), time.monotonic()
         out = []
         for i in range(runs):
@@ -87,7 +116,9 @@ def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurr
             out.append(row)
             print(json.dumps(row), flush=True)
         wall = round(time.monotonic() - start, 1)
-        return {"runs": out, "wall_s": wall, "threads": _waits(pids, before, _schedstat(pids), top)}
+        threads = _threads(pids, before, _schedstat(pids))
+        return {"runs": out, "wall_s": wall, "processes": _per_process(threads),
+                "threads": sorted(threads, key=lambda r: r[sort], reverse=True)[:top]}
     finally:
         compare._stop(proc)
         if target != "bare":
@@ -105,6 +136,8 @@ def main() -> None:
     parser.add_argument("--client-priority", dest="client", choices=compare.CLIENT_PRIORITIES,
                         default="realtime", help="scheduling of the load generator")
     parser.add_argument("--top", type=int, default=25, help="threads listed per server")
+    parser.add_argument("--sort", choices=["wait", "run"], default="wait",
+                        help="list the threads that waited longest, or those that ran longest")
     args = parser.parse_args()
     unknown = set(args.targets) - set(compare.STARTERS)
     if unknown:
@@ -113,7 +146,8 @@ def main() -> None:
     client = compare.client_priority(args.client)
     hog = compare._hog() if args.hog else None
     try:
-        results = {t: measure_target(t, model, args.runs, args.concurrency, args.top, client)
+        results = {t: measure_target(t, model, args.runs, args.concurrency, args.top, client,
+                                     f"{args.sort}_ms")
                    for t in args.targets}
     finally:
         if hog:
@@ -121,7 +155,10 @@ def main() -> None:
     compare.RESULTS.mkdir(exist_ok=True)
     (compare.RESULTS / "stall.json").write_text(json.dumps(results, indent=1))
     for target, res in results.items():
-        print(f"\n{target}: {res['wall_s']} s; thread: run-queue wait ms, on-CPU ms, slices")
+        print(f"\n{target}: {res['wall_s']} s; process: on-CPU ms, run-queue wait ms")
+        for p in res["processes"]:
+            print(f"{p['run_ms']:8d} {p['wait_ms']:8d}  {p['process']}")
+        print(f"{target}: thread: run-queue wait ms, on-CPU ms, slices")
         for t in res["threads"]:
             print(f"{t['wait_ms']:8d} {t['run_ms']:8d} {t['slices']:7d}  "
                   f"{t['process'][:38]:38s} {t['thread']}")

@@ -79,3 +79,40 @@ def test_the_load_generator_runs_at_the_priority_it_was_granted(monkeypatch, cap
     rows = [_row("bare", 0, 100, 0.5) | {"client": "realtime"}, _row("gateway", 0, 90, 1.0)]
     text = summarize(rows, SimpleNamespace(backend="openai", hog=True))
     assert "load generator at normal / realtime priority" in text
+
+
+def test_the_stall_bench_sums_cpu_per_process_most_first():
+    from bench import stall
+    before = {(1, 1): ("a", 0, 0, 0), (1, 2): ("b", 0, 0, 0), (2, 2): ("c", 0, 0, 0)}
+    after = {(1, 1): ("a", 5_000_000, 1_000_000, 3), (1, 2): ("b", 7_000_000, 0, 1),
+             (2, 2): ("c", 20_000_000, 2_000_000, 9), (3, 3): ("born later", 9, 9, 9)}
+    rows = stall._threads({1: "proxy", 2: "replica", 3: "x"}, before, after)
+    assert {r["thread"] for r in rows} == {"a", "b", "c"}  # no baseline, no row
+    assert stall._per_process(rows) == [
+        {"process": "replica", "run_ms": 20, "wait_ms": 2},
+        {"process": "proxy", "run_ms": 12, "wait_ms": 1}]
+    assert stall._label(["/v/bin/python", "/v/ray/dashboard/dashboard.py", "--x"], "python") \
+        == "python dashboard.py --x"
+    assert stall._label(["ray::ServeReplica:app:Gateway"], "ray::Serve") \
+        == "ray::ServeReplica:app:Gateway"
+
+
+def test_the_protocol_bench_rotates_the_path_order_and_reports_cpu_per_path():
+    import argparse
+
+    from bench import protocols
+    paths = ["openai", "lmtp", "lmi"]
+    assert [protocols.rotated(paths, r) for r in (1, 2, 3, 4)] == [
+        ["openai", "lmtp", "lmi"], ["lmtp", "lmi", "openai"], ["lmi", "openai", "lmtp"],
+        ["openai", "lmtp", "lmi"]]
+    rows = [{"protocol": p, "tokens": 2000, "tok_per_s": tps, "median_ttft_ms": 100.0,
+             "client_cpu_s": 1.0, "other_cpu_s": cpu, "engine_cpu_s": 9.0}
+            for p, tps, cpu in (("openai", 100.0, 2.0), ("openai", 100.0, 2.0),
+                                ("lmi", 95.0, 3.0), ("lmi", 97.0, 5.0))]
+    args = argparse.Namespace(num_prompts=64, concurrency=16, rounds=2, client="realtime",
+                              paths=["openai", "lmi"])
+    table = protocols.summarize(rows, args)
+    lmi = next(line for line in table.splitlines() if line.startswith("| LMI"))
+    cells = [c.strip() for c in lmi.strip("|").split("|")]
+    assert cells[1:] == ["96.0", "100", "0.960x", "2.00", "0.50"]  # (3 + 5) s / 4k tok
+    assert "rotated" in table and "realtime" in table and "Machine:" in table
