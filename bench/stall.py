@@ -74,16 +74,26 @@ def _schedstat(pids: dict[int, str]) -> dict[tuple[int, int], tuple[str, int, in
     return out
 
 
-def _threads(pids: dict[int, str], before: dict, after: dict) -> list[dict]:
-    """Every serving thread's run-queue wait, time on a CPU and slices between two readings."""
+def _threads(pids: dict[int, str], before: dict, after: dict,
+             born: frozenset[int] = frozenset()) -> list[dict]:
+    """Every serving thread's run-queue wait, time on a CPU and slices between two readings.
+    A process in ``born`` started between them (Serve restarts HAProxy when it reloads it): its
+    threads count from zero; other threads without a first reading are left out."""
     rows = []
     for key, (comm, run, wait, slices) in after.items():
-        if key in before:
-            _, run0, wait0, slices0 = before[key]
+        if key in before or key[0] in born:
+            _, run0, wait0, slices0 = before.get(key, (comm, 0, 0, 0))
             rows.append({"process": pids[key[0]], "thread": comm,
                          "wait_ms": round((wait - wait0) / 1e6), "run_ms": round((run - run0) / 1e6),
                          "slices": slices - slices0})
     return rows
+
+
+def _created_after(pid: int, when: float) -> bool:
+    try:
+        return psutil.Process(pid).create_time() >= when
+    except psutil.Error:
+        return False
 
 
 def _per_process(rows: list[dict]) -> list[dict]:
@@ -104,7 +114,7 @@ def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurr
     try:
         compare._wait_ready(f"http://127.0.0.1:{port}", name, proc)
         pids = _serving_pids(proc.pid)
-        before, start = _schedstat(pids), time.monotonic()
+        before, start, started_at = _schedstat(pids), time.monotonic(), time.time()
         out = []
         for i in range(runs):
             r = compare._bench(port, name, model_dir, concurrency, max(64, 2 * concurrency),
@@ -116,7 +126,10 @@ def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurr
             out.append(row)
             print(json.dumps(row), flush=True)
         wall = round(time.monotonic() - start, 1)
-        threads = _threads(pids, before, _schedstat(pids))
+        born = {pid: f"{label} (new)" for pid, label in _serving_pids(proc.pid).items()
+                if pid not in pids and _created_after(pid, started_at)}
+        pids = {**pids, **born}
+        threads = _threads(pids, before, _schedstat(pids), frozenset(born))
         return {"runs": out, "wall_s": wall, "processes": _per_process(threads),
                 "threads": sorted(threads, key=lambda r: r[sort], reverse=True)[:top]}
     finally:

@@ -82,12 +82,19 @@ def test_the_load_generator_runs_at_the_priority_it_was_granted(monkeypatch, cap
 
 
 def test_the_stall_bench_sums_cpu_per_process_most_first():
+    import time
+
     from bench import stall
     before = {(1, 1): ("a", 0, 0, 0), (1, 2): ("b", 0, 0, 0), (2, 2): ("c", 0, 0, 0)}
     after = {(1, 1): ("a", 5_000_000, 1_000_000, 3), (1, 2): ("b", 7_000_000, 0, 1),
-             (2, 2): ("c", 20_000_000, 2_000_000, 9), (3, 3): ("born later", 9, 9, 9)}
-    rows = stall._threads({1: "proxy", 2: "replica", 3: "x"}, before, after)
+             (2, 2): ("c", 20_000_000, 2_000_000, 9), (3, 3): ("born later", 9_000_000, 1_000_000, 2)}
+    pids = {1: "proxy", 2: "replica", 3: "x"}
+    rows = stall._threads(pids, before, after)
     assert {r["thread"] for r in rows} == {"a", "b", "c"}  # no baseline, no row
+    # ... unless its process started between the readings: then it counts from zero
+    born = stall._threads(pids, before, after, frozenset({3}))
+    assert {r["thread"]: r["run_ms"] for r in born}["born later"] == 9
+    assert not stall._created_after(os.getpid(), time.time())
     assert stall._per_process(rows) == [
         {"process": "replica", "run_ms": 20, "wait_ms": 2},
         {"process": "proxy", "run_ms": 12, "wait_ms": 1}]
