@@ -89,13 +89,6 @@ def _threads(pids: dict[int, str], before: dict, after: dict,
     return rows
 
 
-def _created_after(pid: int, when: float) -> bool:
-    try:
-        return psutil.Process(pid).create_time() >= when
-    except psutil.Error:
-        return False
-
-
 def _per_process(rows: list[dict]) -> list[dict]:
     """On-CPU and waiting time summed per process, most CPU first: where the CPU went."""
     totals: dict[str, dict] = {}
@@ -114,7 +107,7 @@ def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurr
     try:
         compare._wait_ready(f"http://127.0.0.1:{port}", name, proc)
         pids = _serving_pids(proc.pid)
-        before, start, started_at = _schedstat(pids), time.monotonic(), time.time()
+        before, start = _schedstat(pids), time.monotonic()
         out = []
         for i in range(runs):
             r = compare._bench(port, name, model_dir, concurrency, max(64, 2 * concurrency),
@@ -126,8 +119,10 @@ def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurr
             out.append(row)
             print(json.dumps(row), flush=True)
         wall = round(time.monotonic() - start, 1)
+        # Serving processes the first reading did not list started since (or just before it,
+        # as Serve's HAProxy reloads race it): counted from zero, marked as new.
         born = {pid: f"{label} (new)" for pid, label in _serving_pids(proc.pid).items()
-                if pid not in pids and _created_after(pid, started_at)}
+                if pid not in pids}
         pids = {**pids, **born}
         threads = _threads(pids, before, _schedstat(pids), frozenset(born))
         return {"runs": out, "wall_s": wall, "processes": _per_process(threads),
