@@ -101,8 +101,9 @@ CLIENT_PRIORITIES = ("realtime", "normal")
 _CLIENT_FIFO_PRIORITY = 10
 
 
-def _realtime() -> None:
-    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(_CLIENT_FIFO_PRIORITY))
+def _realtime(flags: int = 0) -> None:
+    """This process at the load generator's real-time priority (also a ``preexec_fn``)."""
+    os.sched_setscheduler(0, os.SCHED_FIFO | flags, os.sched_param(_CLIENT_FIFO_PRIORITY))
 
 
 def client_priority(wanted: str) -> str:

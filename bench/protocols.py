@@ -38,15 +38,16 @@ sys.path.insert(0, str(ROOT))
 
 from bench import cputime  # noqa: E402
 from bench.compare import (  # noqa: E402
-    _CLIENT_FIFO_PRIORITY,
     CLIENT_PRIORITIES,
     PORTS,
     RESULTS,
     STARTERS,
     _bin,
     _machine,
+    _realtime,
     _stop,
     _wait_ready,
+    client_priority,
 )
 from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
 from engines.embedded import prepare_embedded_model  # noqa: E402
@@ -189,17 +190,12 @@ def rotated(paths: list[str], round_no: int) -> list[str]:
 
 
 def _realtime_client(wanted: str) -> str:
-    """Run this process (the clients) at real-time priority if ``wanted`` and allowed; children
-    it starts later (``ray stop``) return to normal priority. Returns what it got."""
-    if wanted == "normal":
-        return wanted
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK,
-                              os.sched_param(_CLIENT_FIFO_PRIORITY))
-    except OSError as exc:
-        print(f"clients at normal priority: real-time refused ({exc})", file=sys.stderr)
-        return "normal"
-    return wanted
+    """Run this process (the clients) at the priority ``compare.py`` grants its load generator;
+    children it starts later (``ray stop``) return to normal priority. Returns what it got."""
+    got = client_priority(wanted)  # says so where real-time is refused
+    if got == "realtime":
+        _realtime(os.SCHED_RESET_ON_FORK)
+    return got
 
 
 def _http_runner(url: str, one):
