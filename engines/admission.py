@@ -12,12 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engines.base import Admitted
-from protocols.internal import ErrorEvent, GenerateRequest, ModelInfo, TokenPrompt
+from protocols.internal import ChatPrompt, ErrorEvent, GenerateRequest, ModelInfo, Prompt, TokenPrompt
 
-__all__ = ["MAX_LOGIT_BIAS", "Refused", "admit", "check_request"]
-
-# Each entry costs work at every decode step; OpenAI's own API allows 300.
-MAX_LOGIT_BIAS = 1024
+__all__ = ["Refused", "admit", "check_prompt_size", "check_request", "prompt_chars"]
 
 
 class Refused(ValueError):
@@ -41,8 +38,39 @@ def check_request(request: GenerateRequest, info: ModelInfo) -> None:
     if request.controller is not None and caps.controllers == "none":
         raise Refused(f"controllers are not supported by the {info.engine} engine serving "
                       f"{info.name}", "controller")
+    check_prompt_size(request.prompt, info)
     if isinstance(request.prompt, TokenPrompt):
         _check_ids(request.prompt.token_ids, info.vocab_size, "prompt")
+
+
+def check_prompt_size(prompt: Prompt, info: ModelInfo) -> None:
+    """Refuse a prompt that cannot fit the context, without tokenizing it: token prompts by
+    their length, text and chat by ``info.max_prompt_chars`` (docs/reliability.md). A 20 MB
+    prompt took 22 s of the engine replica's event loop to tokenize and then be refused."""
+    if isinstance(prompt, TokenPrompt):
+        if len(prompt.token_ids) >= info.max_model_len:
+            raise _too_long(len(prompt.token_ids), info.max_model_len)
+        return
+    limit, chars = info.max_prompt_chars, prompt_chars(prompt)
+    if limit is not None and chars > limit:
+        raise Refused(f"prompt has {chars} characters; this model's maximum context length is "
+                      f"{info.max_model_len} tokens, which no prompt of more than {limit} "
+                      "characters fits", "prompt")
+
+
+def prompt_chars(prompt: Prompt) -> int:
+    """Characters of text the tokenizer will see (0 for a token prompt); the chat template's
+    own text comes on top."""
+    if isinstance(prompt, ChatPrompt):
+        return sum(len(m.content) for m in prompt.messages)
+    if isinstance(prompt, TokenPrompt):
+        return 0
+    return len(prompt.text)
+
+
+def _too_long(tokens: int, limit: int) -> Refused:
+    return Refused(f"prompt has {tokens} tokens; this model's maximum context length is {limit} "
+                   "tokens including at least one generated token", "prompt")
 
 
 def admit(request: GenerateRequest, prompt_ids: list[int], info: ModelInfo) -> Admitted:
@@ -51,8 +79,7 @@ def admit(request: GenerateRequest, prompt_ids: list[int], info: ModelInfo) -> A
     if not prompt_ids:
         raise Refused("prompt is empty", "prompt")
     if len(prompt_ids) >= limit:
-        raise Refused(f"prompt has {len(prompt_ids)} tokens; this model's maximum context length "
-                      f"is {limit} tokens including at least one generated token", "prompt")
+        raise _too_long(len(prompt_ids), limit)
     s, out, caps = request.sampling, request.output, info.capabilities
     room = limit - len(prompt_ids)
     max_tokens = room if s.max_tokens is None else s.max_tokens
@@ -77,8 +104,8 @@ def admit(request: GenerateRequest, prompt_ids: list[int], info: ModelInfo) -> A
     if (s.best_of or 0) > caps.max_n:
         raise Refused(f"best_of must be at most {caps.max_n} on the {info.engine} engine",
                       "best_of")
-    if len(s.logit_bias) > MAX_LOGIT_BIAS:
-        raise Refused(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    # Up to the whole vocabulary (LMQL masks through logit_bias): the ids are distinct keys,
+    # each inside the vocabulary, which is the bound.
     _check_ids(s.logit_bias, info.vocab_size, "logit_bias")
     _check_ids(s.stop_token_ids, info.vocab_size, "stop_token_ids")
     return Admitted(prompt_ids=prompt_ids, max_tokens=max_tokens)

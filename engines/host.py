@@ -11,20 +11,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from typing import TypeVar
 
-from engines.admission import Refused, admit, check_request
+from engines.admission import Refused, admit, check_prompt_size, check_request, prompt_chars
 from engines.base import Engine, PromptError, ReferenceEngine, ReferenceOutput
+from engines.offload import Busy, Offload
 from protocols.internal import (
     BacktrackEvent,
     EngineStats,
+    EngineUnavailable,
     ErrorEvent,
     Event,
     FinalEvent,
     FinishReason,
     ForkEvent,
     GenerateRequest,
+    InvalidPrompt,
     ModelInfo,
     Prompt,
     Timings,
@@ -38,12 +42,22 @@ __all__ = ["EngineHost"]
 
 log = logging.getLogger(__name__)
 
+A = TypeVar("A")
+T = TypeVar("T")
+
+# Prompts and token lists up to this size are (de)tokenized on the event loop (about a
+# millisecond, less than what a thread hop costs a busy loop); larger ones on the offload thread,
+# so that no prompt holds up the other streams' tokens (docs/reliability.md).
+INLINE_CHARS = 1024
+INLINE_TOKENS = 1024
+
 
 class EngineHost:
     """:class:`~protocols.internal.EngineClient` over one :class:`~engines.base.Engine`."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, offload: Offload | None = None):
         self.engine = engine
+        self.offload = offload or Offload(name="tokenize")
         self.info: ModelInfo = engine.model_info()
         self.active: set[str] = set()  # request ids in flight
         self.aborted = 0  # requests cancelled before they finished (client disconnects)
@@ -58,15 +72,38 @@ class EngineHost:
         return EngineStats(active=len(self.active), aborted=self.aborted)
 
     async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
-        """Token ids of ``prompt`` exactly as ``generate`` would see them (no validation)."""
-        return tuple(self.engine.render(prompt))
+        """Token ids of ``prompt`` exactly as ``generate`` would see them; only a prompt that
+        cannot fit the context is refused (:class:`InvalidPrompt`), before tokenizing it."""
+        try:
+            check_prompt_size(prompt, self.info)
+        except Refused as exc:
+            raise InvalidPrompt(str(exc)) from None
+        return tuple(await self._unless_busy(self._render(prompt)))
 
     async def detokenize(self, token_ids: tuple[int, ...]) -> str:
         """Text of ``token_ids``; ids outside the vocabulary are the caller's to reject."""
-        return self.engine.detokenize(token_ids)
+        return await self._unless_busy(self._run(self.engine.detokenize, token_ids,
+                                                 inline=len(token_ids) <= INLINE_TOKENS))
 
     async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
-        return tuple(self.engine.detokenize((token,)) for token in token_ids)
+        def each(ids: tuple[int, ...]) -> tuple[str, ...]:
+            return tuple(self.engine.detokenize((token,)) for token in ids)
+
+        return await self._unless_busy(self._run(each, token_ids,
+                                                 inline=len(token_ids) <= INLINE_TOKENS))
+
+    def _render(self, prompt: Prompt) -> Awaitable[list[int]]:
+        return self._run(self.engine.render, prompt, inline=prompt_chars(prompt) <= INLINE_CHARS)
+
+    async def _run(self, fn: Callable[[A], T], arg: A, *, inline: bool) -> T:
+        """``fn(arg)`` here when it is cheap, else on the offload thread (raises Busy)."""
+        return fn(arg) if inline else await self.offload.run(fn, arg)
+
+    async def _unless_busy(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except Busy:
+            raise EngineUnavailable(self.info.name, "busy with large prompts") from None
 
     async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
         if not isinstance(self.engine, ReferenceEngine):
@@ -76,9 +113,13 @@ class EngineHost:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         try:
             check_request(request, self.info)
-            admitted = admit(request, self.engine.render(request.prompt), self.info)
+            admitted = admit(request, await self._render(request.prompt), self.info)
         except Refused as exc:
             yield exc.event()
+            return
+        except Busy:
+            yield ErrorEvent(kind="overloaded", message="the engine is busy tokenizing large "
+                             "prompts; retry later")
             return
         except PromptError as exc:
             yield ErrorEvent(kind="validation", message=f"invalid prompt: {exc}", param="prompt")

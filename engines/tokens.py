@@ -1,13 +1,25 @@
-"""Prompt rendering shared by engine kinds that own a Hugging Face tokenizer."""
+"""Prompt rendering shared by engine kinds that own a Hugging Face tokenizer, and the bound that
+lets admission refuse an oversized text prompt before tokenizing any of it
+(docs/reliability.md, "Work bounded before it is done")."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from engines.base import PromptError
 from protocols.internal import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
-__all__ = ["render_prompt"]
+__all__ = ["prompt_char_limit", "render_prompt"]
+
+log = logging.getLogger(__name__)
+
+# Inputs a tokenizer could shrink before splitting them into tokens (whitespace runs, control
+# and zero-width characters, combining marks): where any of them gives fewer tokens than the
+# bound assumes, no character bound holds for that tokenizer.
+_SHRINK_PROBES = (" ", "\n", "\t", "\r\n", "\x00", "\x7f", "\u200b", "\u00a0", "\ufeff",
+                  "e\u0301", "\u3000", "a ")
+_PROBE_REPEAT = 512
 
 
 def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -30,3 +42,23 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     except Exception as exc:  # the tokenizer or the chat template refused this prompt
         raise PromptError(str(exc)) from exc
     raise PromptError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int | None:
+    """The most characters a text or chat prompt can have and still fit ``max_model_len``
+    tokens, or ``None`` where no such bound holds for this tokenizer.
+
+    A token's text covers at most as many characters as the UTF-8 bytes of its vocabulary
+    string (byte-level BPE: one character per byte; SentencePiece: ``▁`` is one space, a
+    byte-fallback token one byte), so ``n`` tokens cover at most ``n * longest`` characters —
+    unless the tokenizer drops or merges input before splitting it, which the probes check.
+    """
+    longest = max(len(token.encode("utf-8", "surrogatepass"))
+                  for token in tokenizer.get_vocab())
+    for probe in _SHRINK_PROBES:
+        text = probe * _PROBE_REPEAT
+        tokens = len(tokenizer.encode(text, add_special_tokens=False))
+        if tokens * longest < len(text):
+            log.warning("tokenizer shrinks %r: prompts are tokenized whatever their size", probe)
+            return None
+    return max_model_len * longest

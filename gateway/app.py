@@ -29,7 +29,7 @@ from gateway.registry import ModelRegistry
 from gateway.shapes import ErrorShapes
 from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
-from protocols.internal import EngineUnavailable
+from protocols.internal import EngineUnavailable, InvalidPrompt
 
 __all__ = ["GatewayIngress", "build_app", "build_engine_app", "create_app"]
 
@@ -67,6 +67,10 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, exc: EngineUnavailable) -> Response:
         return errors.response(route_path(request.scope), 503, str(exc))
+
+    @app.exception_handler(InvalidPrompt)
+    async def _invalid_prompt(request: Request, exc: InvalidPrompt) -> Response:
+        return errors.response(route_path(request.scope), 400, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -40,6 +40,7 @@ from protocols.internal import (
     ErrorEvent,
     Event,
     GenerateRequest,
+    InvalidPrompt,
     ModelInfo,
     Prompt,
     decode_events,
@@ -253,6 +254,8 @@ class ServeEngineClient:
             raise self._no_replica()
         try:
             return await getattr(self._handle, method).remote(*args)
+        except InvalidPrompt as exc:  # Ray raises a RayTaskError that is also an InvalidPrompt
+            raise InvalidPrompt(str(getattr(exc, "cause", exc))) from None
         except BackPressureError:
             if method == "check_health":  # refused by a full queue: busy, not unhealthy
                 return None

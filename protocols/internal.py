@@ -49,6 +49,7 @@ __all__ = [
     "FinishReason",
     "ForkEvent",
     "GenerateRequest",
+    "InvalidPrompt",
     "ModelDirectory",
     "ModelInfo",
     "ModelNotFound",
@@ -365,6 +366,10 @@ class ModelInfo(_Frozen, kw_only=True):
     dtype: str = "float32"  # what the engine computes in; numeric tolerances follow it
     capabilities: Capabilities = Capabilities()
     controllers: tuple[ControllerTag, ...] = ()  # with capabilities.controllers != "none"
+    # The most characters a text or chat prompt can have and still fit max_model_len tokens:
+    # admission refuses a longer one before tokenizing it. None: no bound (every prompt is
+    # tokenized, then its tokens are counted).
+    max_prompt_chars: int | None = None
 
 
 class EngineStats(_Frozen, kw_only=True):
@@ -384,6 +389,12 @@ class ModelNotFound(LookupError):
 class ModelRequired(LookupError):
     def __init__(self) -> None:
         super().__init__("`model` is required when the gateway serves more than one model.")
+
+
+class InvalidPrompt(ValueError):
+    """A non-generate engine call (tokenize) refused its prompt; the message is safe to show a
+    client. Protocols answer 400 in their own shape (``generate`` reports the same refusal as
+    a validation :class:`ErrorEvent`)."""
 
 
 class EngineUnavailable(RuntimeError):

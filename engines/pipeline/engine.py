@@ -23,7 +23,7 @@ from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, 
 from engines.pipeline.origin import Origin, PipelineFailure, RayStages, Sequence, Stages
 from engines.pipeline.sampling import Sampler
 from engines.pipeline.text import OutputText
-from engines.tokens import render_prompt
+from engines.tokens import prompt_char_limit, render_prompt
 from protocols.internal import (
     Capabilities,
     ErrorEvent,
@@ -86,7 +86,8 @@ class PipelineEngine:
             eos_token_id=self.tokenizer.eos_token_id, engine=config.engine, dtype=self.args.dtype,
             capabilities=Capabilities(controllers="none", max_logprobs=MAX_LOGPROBS,
                                       max_prompt_logprobs=MAX_LOGPROBS, max_n=MAX_N,
-                                      best_of_above_n=False, priority=False))
+                                      best_of_above_n=False, priority=False),
+            max_prompt_chars=prompt_char_limit(self.tokenizer, limit))
         self._slots = asyncio.Semaphore(self.args.max_sequences)
         self.live = 0  # sequences in the pipe now
         self._reference = None

@@ -40,10 +40,10 @@ class Sampler:
             self.seen[torch.tensor(prompt_ids)] = True
         self.generated = 0
         self.bias = None
-        if sampling.logit_bias:
+        if sampling.logit_bias:  # one dense tensor, built in one call (LMQL sends ~vocab/2)
             self.bias = torch.zeros(vocab_size)
-            for token, value in sampling.logit_bias.items():
-                self.bias[token] = value
+            self.bias[torch.tensor(list(sampling.logit_bias), dtype=torch.long)] = torch.tensor(
+                list(sampling.logit_bias.values()), dtype=torch.float32)
         # Held back until min_tokens are out: EOS (unless ignored) and the stop token ids.
         blocked = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_ids))
         self.blocked = torch.tensor(sorted(t for t in blocked if t < vocab_size), dtype=torch.long)

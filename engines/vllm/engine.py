@@ -20,7 +20,7 @@ from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
 from engines.embedded import resolve_model_source
-from engines.tokens import render_prompt
+from engines.tokens import prompt_char_limit, render_prompt
 from engines.vllm.args import engine_args
 from engines.vllm.controlled import ControlledRun, Segment
 from engines.vllm.controller_hook import AICI_ARG
@@ -80,6 +80,7 @@ class VLLMEngine:
                                       max_prompt_logprobs=max_logprobs,
                                       best_of_above_n=False, priority=self._priority),
             controllers=self._controller_tags(),
+            max_prompt_chars=prompt_char_limit(self._tokenizer, model_config.max_model_len),
         )
 
     def _controller_tags(self) -> tuple[ControllerTag, ...]:

@@ -3,7 +3,10 @@ client where one exists, and the gateway keeps serving afterwards."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import time
 
 import httpx
 import openai
@@ -54,3 +57,70 @@ def test_mindie_oversized_body_is_413(gateway_url):
                    json={"text_input": BIG, "parameters": {"max_new_tokens": 2}})
     assert r.status_code == 413
     assert r.json() == {"error": MESSAGE, "error_type": "Input Validation Error"}
+
+
+# --- a prompt no context can hold, sent while another stream runs -------------------------
+
+BIG_APP = "bigbody"
+
+
+@pytest.fixture(scope="module")
+def big_body_url(gateway_url):
+    """The session's vLLM engine behind a second ingress with the default 64 MiB body limit
+    (the session's own ingress refuses bodies over 1 MiB)."""
+    from ray import serve
+
+    from engines.config import ModelConfig
+    from gateway.app import build_app
+    from gateway.config import GatewayConfig
+    from tests.e2e.conftest import APP_NAME
+    from tests.serve_session import _wait_healthy
+
+    config = GatewayConfig(models=[ModelConfig(name=MODEL, app=APP_NAME)], ingress_num_cpus=0.1)
+    serve.run(build_app(config), name=BIG_APP, route_prefix=f"/{BIG_APP}")
+    url = f"{gateway_url}/{BIG_APP}"
+    _wait_healthy(url, "the big-body gateway")
+    yield url
+    serve.delete(BIG_APP)
+
+
+async def _stream_gaps(gateway_url: str, started: asyncio.Event) -> list[float]:
+    """Arrival gaps between the chunks of one streamed completion (after its first)."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 160, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    times: list[float] = []
+    async with httpx.AsyncClient(timeout=120) as c, \
+            c.stream("POST", f"{gateway_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+                if len(times) == 8:
+                    started.set()
+    assert len(times) >= 160  # every token, then the finish chunk
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+async def test_a_20_mb_prompt_is_refused_at_once_without_stalling_other_streams(
+        gateway_url, big_body_url):
+    """Before, the prompt was tokenized in full on the engine replica's event loop (22 s for
+    20 MB) before its length was checked, and every other stream stalled meanwhile. The figure
+    with a tighter bar is in docs/reliability.md; here the bound is loose (no timing asserts
+    that a busy CI box could break, beyond what shows the stall is gone)."""
+    words = b"word " * 4_000_000  # 20 MB: ~4M tokens, 1000x what the context holds
+    data = b'{"inputs": "' + words + b'", "parameters": {"max_new_tokens": 2}}'
+    started = asyncio.Event()
+    stream = asyncio.create_task(_stream_gaps(gateway_url, started))
+    await asyncio.wait_for(started.wait(), 60)
+    async with httpx.AsyncClient(timeout=60) as c:
+        sent = time.monotonic()
+        r = await c.post(f"{big_body_url}/generate", content=data,
+                         headers={"content-type": "application/json"})
+        refused_after = time.monotonic() - sent
+    gaps = await stream
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "validation"
+    assert "maximum context length" in r.json()["error"]
+    assert refused_after < 5, refused_after
+    assert max(gaps) < 2, max(gaps)
+    print(f"refused after {refused_after:.3f} s; largest gap {max(gaps):.3f} s")

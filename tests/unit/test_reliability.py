@@ -23,7 +23,7 @@ from protocols.internal import (
     TokenEvent,
 )
 from protocols.lmtp.session import LMTPLimits, LMTPSession
-from tests.fake_engine import FakeEngine
+from tests.fake_engine import VOCAB, FakeEngine
 
 COMPLETION = {"model": "fake-model", "prompt": "Hi", "max_tokens": 5}
 
@@ -335,7 +335,7 @@ async def test_token_strings_are_one_engine_call_not_one_per_token():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"logit_bias": {"1": 1, str(VOCAB): 1}}, "logit_bias"),
     ({"best_of": 129, "n": 1}, "best_of"),
 ])
 async def test_oversized_per_request_asks_are_refused_before_the_engine(extra, param):
@@ -343,6 +343,14 @@ async def test_oversized_per_request_asks_are_refused_before_the_engine(extra, p
     async with _client(engine) as c:
         r = await c.post("/v1/completions", json={**COMPLETION, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+async def test_logit_bias_may_cover_most_of_the_vocabulary():
+    """LMQL masks the vocabulary through logit_bias: its bound is the vocabulary, not 1024."""
+    async with _client(FakeEngine()) as c:
+        r = await c.post("/v1/completions", json={
+            **COMPLETION, "logit_bias": {str(i): -100 for i in range(40_000)}})
+    assert r.status_code == 200, r.text
 
 
 # --- memory ---------------------------------------------------------------------------------
