@@ -24,6 +24,8 @@ from engines.tokens import prompt_char_limit, render_prompt
 from engines.vllm.args import engine_args
 from engines.vllm.controlled import ControlledRun, Segment
 from engines.vllm.controller_hook import AICI_ARG
+from engines.vllm.logit_bias import BIAS_ARG, VLLM_MAX_ENTRIES, pack_bias
+from engines.vllm.logit_bias import PROCESSOR as BIAS_PROCESSOR
 from engines.vllm.translate import Translator
 from protocols.internal import (
     Capabilities,
@@ -55,6 +57,7 @@ class VLLMEngine:
         self.config = config
         self.model_path = resolve_model_source(config.source)
         kwargs = engine_args(config.engine_args)
+        kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), BIAS_PROCESSOR]
         self._side = None
         self._runtime: Any = None
         if config.controllers is not None:
@@ -204,19 +207,21 @@ class VLLMEngine:
 
         s, out = request.sampling, request.output
         same = {name: getattr(s, name) for name in _SAME_NAMED}
-        stop_ids, extra = list(s.stop_token_ids), None
+        stop_ids, extra, bias = list(s.stop_token_ids), {}, dict(s.logit_bias)
         if binding is not None:
             eos = self._tokenizer.eos_token_id
             stop_ids = [eos] + [t for t in stop_ids if t != eos]
             same["ignore_eos"] = True
-            extra = {AICI_ARG: binding}
+            extra[AICI_ARG] = binding
+        if len(bias) > VLLM_MAX_ENTRIES:  # beyond what vLLM takes: our processor applies it
+            extra[BIAS_ARG], bias = pack_bias(bias), {}
         return SamplingParams(
             **same,
-            extra_args=extra,
+            extra_args=extra or None,
             max_tokens=max_tokens,
             stop=list(s.stop) or None,
             stop_token_ids=stop_ids or None,
-            logit_bias=dict(s.logit_bias) or None,
+            logit_bias=bias or None,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
             skip_special_tokens=out.skip_special_tokens,

@@ -96,3 +96,30 @@ async def test_sampled_query_with_constraint(gateway_url, model_dir):
     story = result.variables["STORY"] if not isinstance(result, list) else result[0].variables[
         "STORY"]
     assert story
+
+
+async def test_sampled_query_whose_constraint_masks_half_the_vocabulary(
+        gateway_url, model_dir, lmql_tokenizer, monkeypatch):
+    """``not "e" in STORY`` bans every token containing an "e" (49 % of SmolLM2's vocabulary):
+    LMQL sends the smaller side of its mask as logit_bias, here ~24,000 entries at -100 per
+    GENERATE. Refused before (at most 1024 entries: LMQL raised LMTPStreamError)."""
+    from lmql.models.lmtp.lmtp_client import LMTPWebSocketClient
+
+    sent: list[int] = []
+    original = LMTPWebSocketClient.generate
+
+    def recording(self, prompt, **kwargs):
+        sent.append(len(kwargs.get("logit_bias") or {}))
+        return original(self, prompt, **kwargs)
+
+    monkeypatch.setattr(LMTPWebSocketClient, "generate", recording)
+    result = await lmql.run(
+        'sample(temperature=0.8) "A short story: Once upon a time[STORY]" '
+        'where not "e" in STORY and len(TOKENS(STORY)) < 16',
+        model=_model(gateway_url, model_dir))
+    result = result[0] if isinstance(result, list) else result
+    story = result.variables["STORY"]
+    vocab = lmql_tokenizer.vocab_size
+    print(f"logit_bias entries per GENERATE: {sent} (vocabulary {vocab}); story {story!r}")
+    assert sent and max(sent) > 0.45 * vocab, (sent, vocab)
+    assert story and "e" not in story, story

@@ -219,3 +219,22 @@ async def test_disconnect_aborts_the_connections_requests(gateway_url, prompt_id
         await asyncio.sleep(0.5)
         stats = http.get("/gateway/engines").json()[MODEL]
     assert stats["aborted"] == before + 2 and stats["active"] == 0
+
+
+async def test_a_logit_bias_over_most_of_the_vocabulary_is_applied(gateway_url, prompt_ids,
+                                                                    engine_handle):
+    """40,000 of SmolLM2's 49,152 ids banned at -100 (the size of logit_bias the issue's LMQL
+    query sent): every sampled token is one of the others, on several concurrent streams."""
+    vocab_size = (await engine_handle.model_info.remote()).vocab_size
+    allowed = set(range(40_000, vocab_size))
+    bias = {str(t): -100 for t in range(40_000)}
+    async with websockets.connect(_ws_url(gateway_url), max_size=None) as ws:
+        for sid in (1, 2, 3):
+            await _send(ws, "GENERATE", {"model": MODEL, "prompt": prompt_ids, "stream_id": sid,
+                                         "max_tokens": 12, "temperature": 1.0,
+                                         "logit_bias": bias})
+        streams = await _collect(ws, [1, 2, 3])
+    for items in streams.values():
+        tokens = [item["token"] for _, item in items]
+        assert all(item.get("error") is None for _, item in items), items
+        assert len(tokens) == 12 and set(tokens) <= allowed, tokens
