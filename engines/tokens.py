@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from jinja2 import TemplateError
+
 from engines.base import PromptError
 from protocols.internal import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
@@ -39,8 +41,11 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
                 tokenize=False,
             )
             return tokenizer.encode(text, add_special_tokens=False)
-    except Exception as exc:  # the tokenizer or the chat template refused this prompt
+    except TemplateError as exc:  # the chat template's own words ("roles must alternate")
         raise PromptError(str(exc)) from exc
+    except Exception as exc:  # the tokenizer's: Python's text, for the log only
+        log.warning("the tokenizer refused a prompt: %r", exc)
+        raise PromptError("the tokenizer could not encode this prompt") from exc
     raise PromptError(f"unsupported prompt type {type(prompt).__name__}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 import msgspec
@@ -79,12 +80,18 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return errors.response(route_path(request.scope), 400, str(exc.errors()))
+        where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', 'invalid')}"
+                          for e in exc.errors())
+        return errors.response(route_path(request.scope), 400, f"invalid request: {where}")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        return errors.response(route_path(request.scope), 500, f"internal error: {type(exc).__name__}")
+        # No exception text for the client (docs/reliability.md): an id to find it in the log.
+        incident = uuid.uuid4().hex[:12]
+        log.exception("unhandled error (incident %s) on %s", incident, request.url.path)
+        return errors.response(route_path(request.scope), 500,
+                               f"internal error (incident {incident}; the gateway's log has "
+                               "the details)")
 
     @app.get("/health")
     async def health() -> Response:

@@ -146,6 +146,8 @@ class KeyAuth:
         response = self.refuse(route_path(scope), status, message)
         if retry_after is not None:
             response.headers["retry-after"] = str(retry_after)
+        if status == 401:  # RFC 6750: which scheme to answer with
+            response.headers["www-authenticate"] = 'Bearer realm="llm-gateway"'
         return await response(scope, receive, send)
 
 

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocols.aici.errors import APIError
+from protocols.jsonbody import BodyError, decode_json
 
 __all__ = ["RunRequest", "TagsRequest", "decode"]
 
@@ -49,7 +50,6 @@ class TagsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def decode(body: bytes, kind: type[T]) -> T:
     try:
-        return msgspec.json.decode(body, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError,
-            RecursionError) as exc:  # msgspec reports invalid UTF-8 as UnicodeDecodeError
+        return decode_json(body, kind)
+    except (msgspec.ValidationError, BodyError) as exc:
         raise APIError(400, f"invalid request body: {exc}") from None

@@ -43,7 +43,7 @@ from protocols.textgen.params import (
     LMI_TGI_COMPAT,
     Generation,
     InvalidParameters,
-    decode_json,
+    decode_body,
     parse_body,
     parse_parameters,
 )
@@ -71,7 +71,7 @@ def _resolve(request: Request, name: Any) -> tuple[str, EngineClient]:
 
 async def _decode(request: Request) -> Any:
     try:
-        return decode_json(await request.body())
+        return decode_body(await request.body())
     except InvalidParameters as exc:
         raise payload_error(f"Input parsing failed: {exc}") from None
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from protocols.jsonbody import BodyError, decode_json
+
 __all__ = ["FrameError", "format_frame", "parse_frame", "salvage_stream_id"]
 
 
@@ -22,8 +24,8 @@ def parse_frame(text: str) -> tuple[str, dict[str, Any]]:
     if not sep or not command:
         raise FrameError(f"malformed frame: expected 'COMMAND {{json}}', got {text[:80]!r}")
     try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # bad JSON, huge ints, absurd nesting
+        payload = decode_json(body)
+    except BodyError as exc:
         raise FrameError(f"malformed JSON in {command} frame: {exc}",
                          salvage_stream_id(body)) from None
     if not isinstance(payload, dict):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import uuid
 
-import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protocols.errors import EnvelopeError
 from protocols.internal import EngineClient
+from protocols.jsonbody import BodyError, decode_json
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
 from protocols.mindie.errors import NOT_FOUND, from_event
 from protocols.mindie.validate import to_request
@@ -33,9 +33,8 @@ def _resolve(request: Request, model: str) -> tuple[str, EngineClient]:
 
 async def _start(request: Request, model: str, stream: bool):
     try:
-        body = msgspec.json.decode(await request.body())
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        # (msgspec reports invalid UTF-8 inside a string as UnicodeDecodeError)
+        body = decode_json(await request.body())
+    except BodyError as exc:
         raise EnvelopeError(422, f"Invalid JSON body: {exc}", "validation") from None
     name, engine = _resolve(request, model)
     info = await request.app.state.registry.info(name)

@@ -20,6 +20,7 @@ from protocols.internal import (
     TextPrompt,
     TokenPrompt,
 )
+from protocols.jsonbody import BodyError, decode_json
 from protocols.openai.errors import OpenAIError
 from protocols.openai.schemas import (
     ChatCompletionRequest,
@@ -50,13 +51,11 @@ def decode_body(raw: bytes | dict, schema: type[T]) -> T:
     try:
         if isinstance(raw, dict):
             return msgspec.convert(raw, schema)
-        return msgspec.json.decode(raw, type=schema)
+        return decode_json(raw, schema)
     except msgspec.ValidationError as exc:
         raise OpenAIError(400, f"invalid request: {exc}", _param_of(exc)) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # invalid UTF-8: the latter
+    except BodyError as exc:
         raise OpenAIError(400, f"malformed JSON body: {exc}") from None
-    except RecursionError:
-        raise OpenAIError(400, "malformed JSON body: nesting too deep") from None
 
 
 def _param_of(exc: msgspec.ValidationError) -> str | None:

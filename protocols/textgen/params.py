@@ -17,10 +17,11 @@ import msgspec
 
 from protocols.controllers import controller_spec, json_schema_controller, regex_controller
 from protocols.internal import ControllerSpec, OutputOptions, Sampling
+from protocols.jsonbody import BodyError, decode_json
 from protocols.jsonvalues import is_int, is_number
 
 __all__ = ["LMI", "LMI_TGI_COMPAT", "TGI", "Dialect", "Generation", "InvalidParameters",
-           "decode_json", "parse_body", "parse_parameters"]
+           "decode_body", "parse_body", "parse_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +74,10 @@ class Generation:
     controller: ControllerSpec | None = None
 
 
-def decode_json(data: bytes) -> Any:
+def decode_body(data: bytes) -> Any:
     try:
-        return msgspec.json.decode(data)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        # (msgspec reports invalid UTF-8 inside a string as UnicodeDecodeError)
+        return decode_json(data)
+    except BodyError as exc:
         raise InvalidParameters(f"invalid JSON body: {exc}") from None
 
 

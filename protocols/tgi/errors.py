@@ -24,6 +24,12 @@ def from_event(event: ErrorEvent) -> EnvelopeError:
     return EnvelopeError(status, message, error_type)
 
 
+# TGI's own types where the client raises by them; the others fall back to the status code
+# in TGI's client (401: UnknownError, 404: NotFoundError), never to a ValidationError.
+_OF_STATUS = {401: "unauthorized", 403: "unauthorized", 404: "not_found", 429: "overloaded"}
+
+
 def route_error(status: int, message: str) -> Response:
     """An HTTP-level error on a TGI path (the client raises by ``error_type``)."""
-    return EnvelopeError(status, message, "validation" if status < 500 else "generation").response()
+    error_type = _OF_STATUS.get(status, "validation" if status < 500 else "generation")
+    return EnvelopeError(status, message, error_type).response()

@@ -29,7 +29,7 @@ from protocols.textgen.encode import (
 from protocols.textgen.params import (
     TGI,
     InvalidParameters,
-    decode_json,
+    decode_body,
     parse_body,
     parse_parameters,
 )
@@ -58,7 +58,7 @@ async def _start(request: Request, stream: bool | None
     Returns the peeked stream, what shapes the answer, whether to stream, and the model."""
     name, engine = _model(request)
     try:
-        body = decode_json(await request.body())
+        body = decode_body(await request.body())
         inputs, params, body_stream = parse_body(body, allow_list=False)
         stream = bool(body_stream) if stream is None else stream
         gen = parse_parameters(params, TGI, stream=stream)

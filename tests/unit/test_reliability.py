@@ -234,6 +234,25 @@ async def test_a_slow_lmtp_reader_stalls_its_streams_instead_of_growing_memory()
     assert engine.cancelled  # closing the connection aborted the streams
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate", "/invocations",
+                                  "/v2/models/fake-model/generate"])
+async def test_a_401_names_its_scheme(path):
+    async with _client(api_key="k") as c:
+        r = await c.post(path, json={"inputs": "Hi"})
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_tgis_client_reads_a_401_as_what_it_is_not_a_validation_error():
+    from text_generation.errors import UnknownError, ValidationError, parse_error
+
+    from protocols.tgi.errors import route_error
+
+    body = json.loads(route_error(401, "invalid or missing API key").body)
+    assert body["error_type"] != "validation"
+    error = parse_error(401, body)
+    assert isinstance(error, UnknownError) and not isinstance(error, ValidationError)
+
+
 async def test_under_a_route_prefix_probes_stay_public_and_errors_keep_their_shape():
     """Serve mounts apps under prefixes (``/pipeline``): Starlette's path keeps the prefix."""
     app = create_app(ModelRegistry({"fake-model": FakeEngine()}), GatewayConfig(api_key="k"))
