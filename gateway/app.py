@@ -208,6 +208,9 @@ def build_app(args: dict[str, Any] | GatewayConfig | None = None) -> serve.Appli
         # A redeploy (say, a model added) starts the new ingress replicas before the old ones
         # stop, so requests never find no ingress.
         max_surge_percent=100,
+        # Serve replaces a dead ingress after its health check notices (default every 10 s);
+        # requests meanwhile are refused by the proxy (gateway.ingress_watch), not served.
+        health_check_period_s=2.0,
         ray_actor_options=config.ingress_actor_options(),
     ).bind(engines, config)
 

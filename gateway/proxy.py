@@ -1,13 +1,20 @@
-"""Errors that Ray Serve's HTTP proxy writes itself, rewritten into the protocol's shape.
+"""What Serve's HTTP proxy answers itself, in the protocol's shape, and what it refuses before
+any Ray call.
 
 Some answers never come from the gateway app: when the ingress replica dies before the
 response starts, the proxy sends nothing and uvicorn answers a plain-text ``500 Internal Server
 Error``; a proxy timeout is a plain-text 408; back-pressure or no ingress replica a plain-text
-503. No protocol client parses those. This middleware runs in the proxy process, installed with
+503. No protocol client parses those. These middlewares run in the proxy process, installed
+with
 
     RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=gateway.proxy:middlewares
 
 in the environment Ray starts with (``scripts/serve.sh``, the test session, ``cluster.yaml``).
+
+:class:`ProxyGate` refuses, at once and without reading the body: requests for an application
+whose ingress has no replica (Serve would hold them until a replacement started;
+``gateway.ingress_watch``), and requests beyond ``LLM_GATEWAY_PROXY_MAX_REQUESTS`` in flight
+through this proxy (a burst's excess costs the proxy no Ray call; docs/reliability.md).
 
 A response that has started is left alone: if the ingress dies mid-stream the chunked body
 ends without its terminator, which every HTTP client reports as an error; closing it cleanly
@@ -16,16 +23,25 @@ here would turn that into a silent truncation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 
 from starlette.middleware import Middleware
 
+from gateway.ingress_watch import IngressWatch
 from gateway.shapes import ErrorShapes
 from protocols.catalog import PROTOCOLS, load_spec
 
-__all__ = ["ProxyErrorShape", "middlewares"]
+__all__ = ["MAX_REQUESTS_VAR", "ProxyErrorShape", "ProxyGate", "middlewares"]
 
 log = logging.getLogger("llm_gateway.proxy")
+
+MAX_REQUESTS_VAR = "LLM_GATEWAY_PROXY_MAX_REQUESTS"
+# The ingress's own default limit (GatewayConfig.max_concurrent_requests), per proxy.
+DEFAULT_MAX_REQUESTS = 512
+# Probes answer from what the ingress already knows: never refused for load.
+_PROBES = frozenset({"/health", "/version", "/ping", "/v2/health/live", "/v2/health/ready"})
 
 # Fixed texts: the proxy's own messages carry request ids and deployment names.
 _MESSAGES = {
@@ -34,6 +50,9 @@ _MESSAGES = {
     503: "The gateway is unavailable or overloaded; retry later.",
 }
 _DIED = "The gateway replica serving this request stopped; retry."
+_RESTARTING = "The gateway is starting or restarting; retry shortly."
+_FULL = "The gateway is at capacity; retry later."
+_STARTS = frozenset({"http.response.start", "websocket.accept", "websocket.close"})
 
 
 def _plain_error(message: dict) -> bool:
@@ -45,17 +64,38 @@ def _plain_error(message: dict) -> bool:
     return headers.get(b"content-type", b"text/plain").startswith(b"text/plain")
 
 
+def _shapes() -> ErrorShapes:
+    return ErrorShapes([load_spec(name) for name in PROTOCOLS])
+
+
+async def _answer(shapes: ErrorShapes, scope, status: int, message: str | None, receive,
+                  send) -> None:
+    response = shapes.response(scope["path"], status,
+                               message or "The gateway could not answer this request.")
+    if status in (429, 503):
+        response.headers["retry-after"] = "1"
+    await response(scope, receive, send)
+
+
+def _is_probe(path: str) -> bool:  # under a route prefix too (/pipeline/health)
+    return any(path.endswith(probe) for probe in _PROBES)
+
+
+def _proxy_own(scope) -> bool:
+    # The proxy's own endpoints (/-/healthz, /-/routes) answer load balancers as they are.
+    return scope["type"] not in ("http", "websocket") or scope["path"].startswith("/-/")
+
+
 class ProxyErrorShape:
     """Pure ASGI middleware for the proxy: plain-text errors become the protocol's error, and
     a request that ends with no response at all becomes a 503 with ``Retry-After``."""
 
     def __init__(self, app, shapes: ErrorShapes | None = None):
         self.app = app
-        self.shapes = shapes or ErrorShapes([load_spec(name) for name in PROTOCOLS])
+        self.shapes = shapes or _shapes()
 
     async def __call__(self, scope, receive, send):
-        # The proxy's own endpoints (/-/healthz, /-/routes) answer load balancers as they are.
-        if scope["type"] != "http" or scope["path"].startswith("/-/"):
+        if _proxy_own(scope) or scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = False
         held: dict | None = None  # a plain-text error start, replaced once its body has ended
@@ -71,7 +111,8 @@ class ProxyErrorShape:
                 if not message.get("more_body"):
                     status = held["status"]
                     held = None
-                    await self._answer(scope, status, _MESSAGES.get(status), receive, send)
+                    await _answer(self.shapes, scope, status, _MESSAGES.get(status), receive,
+                                  send)
                     started = True
                 return
             await send(message)
@@ -82,20 +123,72 @@ class ProxyErrorShape:
             if started:
                 raise
             log.exception("proxy failed on %s before answering", scope["path"])
-            await self._answer(scope, 503, _DIED, receive, send)
+            await _answer(self.shapes, scope, 503, _DIED, receive, send)
             return
         if not started:
             # The proxy gave up without a response (the ingress replica died).
-            await self._answer(scope, 503, _DIED, receive, send)
+            await _answer(self.shapes, scope, 503, _DIED, receive, send)
 
-    async def _answer(self, scope, status: int, message: str | None, receive, send) -> None:
-        response = self.shapes.response(scope["path"], status,
-                                        message or "The gateway could not answer this request.")
-        if status in (429, 503):
-            response.headers["retry-after"] = "1"
-        await response(scope, receive, send)
+
+class ProxyGate:
+    """Pure ASGI middleware for the proxy: refusals before any Ray call (module docstring).
+    Websockets are refused by closing with 1013 ("try again later")."""
+
+    def __init__(self, app, shapes: ErrorShapes | None = None, watch: IngressWatch | None = None,
+                 max_requests: int | None = None):
+        self.app = app
+        self.shapes = shapes or _shapes()
+        self.watch = watch or IngressWatch()
+        self.max_requests = max_requests or int(os.environ.get(MAX_REQUESTS_VAR) or
+                                                DEFAULT_MAX_REQUESTS)
+        self.inflight = 0
+
+    async def __call__(self, scope, receive, send):
+        if _proxy_own(scope):
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.watch.is_down(path):
+            return await self._refuse(scope, _RESTARTING, receive, send)
+        if self.inflight >= self.max_requests and not _is_probe(path):
+            return await self._refuse(scope, _FULL, receive, send)
+        self.inflight += 1
+        try:
+            await self._unless_ingress_dies(scope, receive, send)
+        finally:
+            self.inflight -= 1
+
+    async def _unless_ingress_dies(self, scope, receive, send) -> None:
+        """The request as Serve handles it; but if its application loses its last ingress
+        replica before the response starts, the request was (or will be) held in Serve's
+        router for a replacement: refuse it then."""
+        started = asyncio.get_running_loop().create_future()
+
+        async def tracking_send(message):
+            if not started.done() and message["type"] in _STARTS:
+                started.set_result(None)
+            await send(message)
+
+        call = asyncio.ensure_future(self.app(scope, receive, tracking_send))
+        try:
+            while not call.done() and not started.done():
+                down = self.watch.went_down()
+                await asyncio.wait((call, started, down), return_when=asyncio.FIRST_COMPLETED)
+                if down.done() and not started.done() and self.watch.is_down(scope["path"]):
+                    call.cancel()
+                    await asyncio.gather(call, return_exceptions=True)
+                    return await self._refuse(scope, _RESTARTING, receive, send)
+            await call
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def _refuse(self, scope, message: str, receive, send) -> None:
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1013})
+        await _answer(self.shapes, scope, 503, message, receive, send)
 
 
 def middlewares() -> list[Middleware]:
     """What Serve's proxy calls at start (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``)."""
-    return [Middleware(ProxyErrorShape)]
+    shapes = _shapes()
+    return [Middleware(ProxyErrorShape, shapes=shapes), Middleware(ProxyGate, shapes=shapes)]

@@ -1,0 +1,112 @@
+"""Which applications' gateway ingress can take a request now, as Serve's proxy sees it.
+
+When the only ingress replica of an application dies, Serve's proxy keeps every new request in
+its router until Serve has started a replacement (6-9 s on the 2-core box, measured with a
+``kill -9``), and Ray Serve has no bound on that wait. The proxy middleware (``gateway.proxy``)
+asks this watch instead and refuses such requests at once with a 503 in the protocol's shape.
+
+Two sources, read together every ``interval_s`` while requests arrive: Serve's controller (the
+applications, their route prefixes and the ingress replicas it calls running) and Ray's GCS
+(the named actors that exist: a killed replica's name is gone within about a second, while the
+controller notices only at its next health check of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+__all__ = ["INGRESS_DEPLOYMENT", "IngressWatch", "Reading", "read_serve"]
+
+log = logging.getLogger("llm_gateway.proxy")
+
+INGRESS_DEPLOYMENT = "GatewayIngress"  # gateway.app's ingress deployment, in every application
+
+
+class Reading(msgspec.Struct, frozen=True):
+    """Route prefixes (longest first) → application, and the applications whose ingress has no
+    replica that is both running (controller) and still there (GCS)."""
+
+    prefixes: tuple[tuple[str, str], ...] = ()
+    down: frozenset[str] = frozenset()
+
+
+def read_serve() -> Reading:
+    """One reading of the controller and the GCS (blocking: call it off the event loop)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    live = {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
+    prefixes, down = [], set()
+    for name, app in (details.get("applications") or {}).items():
+        ingress = (app.get("deployments") or {}).get(INGRESS_DEPLOYMENT)
+        prefix = app.get("route_prefix")
+        if ingress is None or prefix is None:  # not a gateway, or not served over HTTP
+            continue
+        prefixes.append((prefix, name))
+        if not any(r.get("state") == "RUNNING" and r.get("actor_name") in live
+                   for r in ingress.get("replicas") or ()):
+            down.add(name)
+    prefixes.sort(key=lambda item: len(item[0]), reverse=True)
+    return Reading(tuple(prefixes), frozenset(down))
+
+
+def app_of(reading: Reading, path: str) -> str | None:
+    """The application whose route prefix ``path`` falls under (Serve's rule: longest)."""
+    for prefix, app in reading.prefixes:
+        if prefix == "/" or path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+            return app
+    return None
+
+
+class IngressWatch:
+    """Re-reads Serve every ``interval_s`` while requests come (stops after ``idle_s`` without
+    one: an idle proxy costs the controller nothing). Until the first reading, nothing is
+    refused; a failed reading keeps the last one."""
+
+    def __init__(self, read: Callable[[], Reading] = read_serve, interval_s: float = 0.5,
+                 idle_s: float = 30.0):
+        self._read = read
+        self.interval_s = interval_s
+        self.idle_s = idle_s
+        self.reading = Reading()
+        self._last_request = 0.0
+        self._task: asyncio.Task | None = None
+        self._went_down: asyncio.Future | None = None
+
+    def is_down(self, path: str) -> bool:
+        """Whether the gateway application serving ``path`` has no ingress replica now."""
+        self._last_request = time.monotonic()
+        if self._task is None or self._task.done():
+            self.reading = Reading()  # after a quiet spell the last reading is stale
+            self._task = asyncio.ensure_future(self._watch())
+        app = app_of(self.reading, path)
+        return app is not None and app in self.reading.down
+
+    def went_down(self) -> asyncio.Future:
+        """Resolved at the next reading that finds some application newly down (requests
+        waiting for an ingress check :meth:`is_down` again then)."""
+        if self._went_down is None or self._went_down.done():
+            self._went_down = asyncio.get_running_loop().create_future()
+        return self._went_down
+
+    async def _watch(self) -> None:
+        while time.monotonic() - self._last_request < self.idle_s:
+            try:
+                reading = await asyncio.to_thread(self._read)
+            except Exception as exc:  # controller busy or restarting: keep the last reading
+                log.debug("reading Serve's applications failed: %r", exc)
+            else:
+                newly_down = reading.down - self.reading.down
+                if reading.down != self.reading.down:
+                    log.warning("gateway applications without an ingress replica: %s",
+                                sorted(reading.down) or "none")
+                self.reading = reading
+                if newly_down and self._went_down is not None and not self._went_down.done():
+                    self._went_down.set_result(None)
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,133 @@
+"""The proxy's refusals before any Ray call (``gateway.proxy.ProxyGate`` over
+``gateway.ingress_watch``): an application whose ingress has no replica, and a proxy at its
+in-flight bound. The watch reads a stand-in for Serve; the real one is read in
+``tests/e2e/test_reliability_e2e.py`` (the ingress replica killed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from starlette.responses import JSONResponse
+
+from gateway.ingress_watch import IngressWatch, Reading, app_of
+from gateway.proxy import ProxyErrorShape, ProxyGate
+
+PREFIXES = (("/pipeline", "pipeline"), ("/", "gateway"))
+
+
+class _Serve:
+    """What the watch reads; ``down`` is the set of applications without an ingress."""
+
+    def __init__(self):
+        self.down: set[str] = set()
+        self.reads = 0
+
+    def read(self) -> Reading:
+        self.reads += 1
+        return Reading(PREFIXES, frozenset(self.down))
+
+
+def _app(delay_s: float = 0.0, release: asyncio.Event | None = None):
+    async def app(scope, receive, send):
+        if release is not None and not scope["path"].endswith("/health"):
+            await release.wait()
+        await asyncio.sleep(delay_s)
+        await JSONResponse({"ok": True})(scope, receive, send)
+    return app
+
+
+def _client(inner, serve: _Serve, **gate) -> httpx.AsyncClient:
+    watch = IngressWatch(serve.read, interval_s=0.01)
+    app = ProxyErrorShape(ProxyGate(inner, watch=watch, **gate))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
+
+
+def test_paths_map_to_applications_by_the_longest_route_prefix():
+    reading = Reading(PREFIXES)
+    assert app_of(reading, "/pipeline/v1/completions") == "pipeline"
+    assert app_of(reading, "/pipeline") == "pipeline"
+    assert app_of(reading, "/pipelines/x") == "gateway"
+    assert app_of(reading, "/generate") == "gateway"
+    assert app_of(Reading((("/a", "a"),)), "/b") is None
+
+
+async def test_an_application_without_an_ingress_is_refused_at_once_in_shape():
+    serve = _Serve()
+    async with _client(_app(), serve) as c:
+        assert (await c.post("/v1/completions", json={})).status_code == 200
+        await asyncio.sleep(0.05)
+        serve.down = {"gateway"}
+        await asyncio.sleep(0.05)
+        r = await c.post("/v1/completions", json={})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "restarting" in r.json()["error"]["message"]
+        r = await c.post("/generate", json={})
+        assert r.status_code == 503 and r.json()["error_type"]  # TGI's shape
+        # another application under its own prefix is not affected
+        assert (await c.post("/pipeline/v1/completions", json={})).status_code == 200
+        serve.down = set()
+        await asyncio.sleep(0.05)
+        assert (await c.post("/v1/completions", json={})).status_code == 200
+
+
+async def test_a_request_held_for_a_dead_ingress_is_refused_when_the_watch_sees_it():
+    """Serve holds a request for an application whose replica just died until a replacement
+    starts; the gate answers it as soon as the watch reads the death."""
+    serve, never = _Serve(), asyncio.Event()
+    async with _client(_app(release=never), serve) as c:
+        await c.get("/health")  # starts the watch
+        held = asyncio.ensure_future(c.post("/v1/completions", json={}))
+        await asyncio.sleep(0.1)
+        assert not held.done()
+        serve.down = {"gateway"}
+        r = await asyncio.wait_for(held, 2)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+async def test_beyond_the_bound_requests_are_refused_before_the_app_and_probes_pass():
+    serve, release = _Serve(), asyncio.Event()
+    async with _client(_app(release=release), serve, max_requests=2) as c:
+        busy = [asyncio.ensure_future(c.post("/v1/completions", json={})) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        r = await c.post("/invocations", json={})
+        assert r.status_code == 503 and r.json()["code"] == 503 and "capacity" in r.text
+        assert r.headers["retry-after"] == "1"
+        probe = asyncio.ensure_future(c.get("/pipeline/health"))
+        await asyncio.sleep(0.05)
+        release.set()
+        assert (await probe).status_code == 200
+        assert [b.status_code for b in await asyncio.gather(*busy)] == [200, 200]
+        assert (await c.post("/v1/completions", json={})).status_code == 200
+
+
+async def test_the_watch_reads_only_while_requests_come():
+    serve = _Serve()
+    watch = IngressWatch(serve.read, interval_s=0.01, idle_s=0.05)
+    watch.is_down("/")
+    await asyncio.sleep(0.2)
+    reads = serve.reads
+    assert reads >= 1
+    await asyncio.sleep(0.1)
+    assert serve.reads == reads  # idle: stopped
+    serve.down = {"gateway"}
+    assert watch.is_down("/") is False  # a stale reading is dropped on restart
+    await asyncio.sleep(0.05)
+    assert watch.is_down("/") is True
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/lmtp"])
+async def test_a_failing_reading_keeps_the_last_one(path):
+    calls = []
+
+    def read():
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("controller busy")
+        return Reading(PREFIXES, frozenset({"gateway"}))
+
+    watch = IngressWatch(read, interval_s=0.01)
+    watch.is_down(path)
+    await asyncio.sleep(0.1)
+    assert len(calls) > 2 and watch.is_down(path) is True
