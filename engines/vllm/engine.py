@@ -16,10 +16,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import psutil
+
 from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
 from engines.embedded import resolve_model_source
+from engines.reaper import start_reaper
 from engines.tokens import prompt_char_limit, render_prompt
 from engines.vllm.args import engine_args
 from engines.vllm.controlled import ControlledRun, Segment
@@ -66,6 +69,9 @@ class VLLMEngine:
         placement.claim()  # vLLM picks its worker's cores from this process's affinity
         self._llm = AsyncLLM.from_engine_args(args)
         placement.place()  # its worker is up, pinned where it computes: the rest moves off
+        # vLLM's EngineCore and workers are this process's children: if it is killed they
+        # would run on (GBs each); a reaper process ends them then (engines/reaper.py).
+        self._reaper = start_reaper([p.pid for p in psutil.Process().children(recursive=True)])
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"
