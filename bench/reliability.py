@@ -722,6 +722,9 @@ async def _burst(url: str, n: int, body: dict, stream: bool) -> dict:
         "incomplete_200": sum(1 for r in rows if r["status"] == 200 and not r.get("complete")),
         "ttfb_p50_s": _pct(ttfb, 50), "ttfb_max_s": _pct(ttfb, 100),
         "ttfb_200_p50_s": _pct(ok_ttfb, 50), "ttfb_200_max_s": _pct(ok_ttfb, 100),
+        "refusal_p50_s": _pct([r["latency"] for r in refused], 50),
+        "refusal_p95_s": _pct([r["latency"] for r in refused], 95),
+        "refusal_max_s": _pct([r["latency"] for r in refused], 100),
         "retry_after": {s: {"with": sum(1 for r in refused if r["status"] == int(s) and
                                         r["retry_after"]),
                             "without": sum(1 for r in refused if r["status"] == int(s) and
