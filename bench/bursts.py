@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import resource
 import sys
 import time
@@ -26,6 +27,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from compare import CLIENT_PRIORITIES, realtime_client  # noqa: E402
 from reliability import (  # noqa: E402
     MODEL,
     OVERLOAD_ENGINE_ARGS,
@@ -37,6 +39,8 @@ from reliability import (  # noqa: E402
     box,
     engine_processes,
 )
+
+from gateway.proxy import MAX_REQUESTS_VAR  # noqa: E402
 
 SETTLE_S = 5.0  # after a burst, before memory is read
 
@@ -52,7 +56,8 @@ def memory_mb() -> dict[str, float]:
     groups["engine replica"] = engine[:1]
     for proc in engine[1:]:
         with contextlib.suppress(psutil.Error):
-            groups.setdefault(proc.name(), []).append(proc)
+            name = "reaper" if proc.name().startswith("python") else proc.name()
+            groups.setdefault(name, []).append(proc)
     out = {}
     for name, procs in groups.items():
         total = 0
@@ -93,7 +98,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(rows[0]["memory_mb"])
+    names = list(rows[0]["memory_mb"])  # ("python": the reaper, in rows of earlier runs)
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in names:
         ax.plot([r["burst"] for r in rows], [r["memory_mb"].get(name) for r in rows],
@@ -115,6 +120,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "bursts.json")
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--client-priority", choices=CLIENT_PRIORITIES, default="realtime",
+                        help="the burst client's scheduling (default real-time: on a 2-core box "
+                             "a client at normal priority measures its own waits for a core)")
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -122,7 +130,9 @@ def main() -> None:
     try:
         gw.start()
         gw.deploy(OVERLOAD_ENGINE_ARGS)
+        client = realtime_client(args.client_priority)  # after the start: servers stay normal
         report = {"box": box(), "engine_args": OVERLOAD_ENGINE_ARGS, "requests": args.requests,
+                  "client": client, "proxy_max_requests": os.environ.get(MAX_REQUESTS_VAR),
                   "rows": run(gw.url, args.bursts, args.requests)}
     finally:
         gw.stop()

@@ -119,6 +119,15 @@ def client_priority(wanted: str) -> str:
     return wanted
 
 
+def realtime_client(wanted: str) -> str:
+    """Run this process's calling thread (the clients) at the priority the load generator gets;
+    children it starts later (``ray stop``) return to normal priority. Returns what it got."""
+    got = client_priority(wanted)  # says so where real-time is refused
+    if got == "realtime":
+        _realtime(os.SCHED_RESET_ON_FORK)
+    return got
+
+
 def _bench(port: int, model: str, model_dir: str, concurrency: int, prompts: int,
            backend: str, client: str = "normal") -> dict:
     out = Path(tempfile.mkdtemp(prefix="compare-"))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -44,10 +43,9 @@ from bench.compare import (  # noqa: E402
     STARTERS,
     _bin,
     _machine,
-    _realtime,
     _stop,
     _wait_ready,
-    client_priority,
+    realtime_client,
 )
 from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
 from engines.embedded import prepare_embedded_model  # noqa: E402
@@ -189,14 +187,6 @@ def rotated(paths: list[str], round_no: int) -> list[str]:
     return paths[k:] + paths[:k]
 
 
-def _realtime_client(wanted: str) -> str:
-    """Run this process (the clients) at the priority ``compare.py`` grants its load generator;
-    children it starts later (``ray stop``) return to normal priority. Returns what it got."""
-    got = client_priority(wanted)  # says so where real-time is refused
-    if got == "realtime":
-        _realtime(os.SCHED_RESET_ON_FORK)
-    return got
-
 
 def _http_runner(url: str, one):
     class Ctx:
@@ -311,7 +301,7 @@ def main() -> None:
     try:
         if proc is not None:
             _wait_ready(url, MODEL, proc)
-        args.client = _realtime_client(args.client)  # after the start: the gateway stays normal
+        args.client = realtime_client(args.client)  # after the start: the gateway stays normal
         rows = asyncio.run(measure(url, args, proc.pid if proc is not None else None))
     finally:
         if proc is not None:

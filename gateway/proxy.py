@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from starlette.middleware import Middleware
 
@@ -130,6 +131,74 @@ class ProxyErrorShape:
             await _answer(self.shapes, scope, 503, _DIED, receive, send)
 
 
+class _Answer:
+    __slots__ = ("at", "body", "start")
+
+    def __init__(self, start: dict, body: bytes):
+        self.start, self.body, self.at = start, body, time.monotonic()
+
+
+class ProbeCache:
+    """Probes (``/health`` ...) answered from the ingress's last answer to the same path, which
+    is fetched again in the background when it is older than ``refresh_s``: under a burst the
+    ingress answers late (10 s measured), a load balancer's probe should not wait for it. An
+    answer older than ``stale_s`` is not used; an ingress that is gone is the gate's to answer
+    (:class:`IngressWatch`)."""
+
+    def __init__(self, refresh_s: float = 0.5, stale_s: float = 5.0, timeout_s: float = 30.0):
+        self.refresh_s, self.stale_s, self.timeout_s = refresh_s, stale_s, timeout_s
+        self._answers: dict[str, _Answer] = {}
+        self._fetching: dict[str, asyncio.Task] = {}
+
+    async def serve(self, app, scope, receive, send) -> None:
+        path = scope["path"]
+        cached = self._answers.get(path)
+        age = None if cached is None else time.monotonic() - cached.at
+        if cached is None or age > self.stale_s:
+            return await self._fetch(app, scope, receive, send)
+        if age > self.refresh_s and path not in self._fetching:
+            task = asyncio.ensure_future(self._fetch(app, dict(scope), _empty_body(), None))
+            self._fetching[path] = task
+            task.add_done_callback(lambda _: self._fetching.pop(path, None))
+        await send(cached.start)
+        await send({"type": "http.response.body", "body": cached.body})
+
+    async def _fetch(self, app, scope, receive, send) -> None:
+        """One request through the app; its answer is kept, and also sent when ``send``."""
+        start, chunks = None, []
+
+        async def capture(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body") and start is not None:
+                    self._answers[scope["path"]] = _Answer(start, b"".join(chunks))
+            if send is not None:
+                await send(message)
+
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await app(scope, receive, capture)
+        except Exception as exc:
+            if send is not None:
+                raise
+            log.debug("background probe of %s failed: %r", scope["path"], exc)
+
+
+def _empty_body():
+    """``receive`` of a request without a body whose client never leaves (a background probe)."""
+    pending = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await asyncio.get_running_loop().create_future()  # never resolved
+
+    return receive
+
+
 class ProxyGate:
     """Pure ASGI middleware for the proxy: refusals before any Ray call (module docstring).
     Websockets are refused by closing with 1013 ("try again later")."""
@@ -142,6 +211,7 @@ class ProxyGate:
         self.max_requests = max_requests or int(os.environ.get(MAX_REQUESTS_VAR) or
                                                 DEFAULT_MAX_REQUESTS)
         self.inflight = 0
+        self.probes = ProbeCache()
 
     async def __call__(self, scope, receive, send):
         if _proxy_own(scope):
@@ -149,7 +219,9 @@ class ProxyGate:
         path = scope["path"]
         if self.watch.is_down(path):
             return await self._refuse(scope, _RESTARTING, receive, send)
-        if self.inflight >= self.max_requests and not _is_probe(path):
+        if _is_probe(path) and scope["type"] == "http" and scope["method"] == "GET":
+            return await self.probes.serve(self.app, scope, receive, send)
+        if self.inflight >= self.max_requests:
             return await self._refuse(scope, _FULL, receive, send)
         self.inflight += 1
         try:

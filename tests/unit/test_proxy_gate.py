@@ -131,3 +131,34 @@ async def test_a_failing_reading_keeps_the_last_one(path):
     watch.is_down(path)
     await asyncio.sleep(0.1)
     assert len(calls) > 2 and watch.is_down(path) is True
+
+
+async def test_probes_are_answered_from_the_last_answer_while_a_fresh_one_is_fetched():
+    """Under a burst the ingress answered /health after 10 s; the proxy answers at once from
+    its last answer (at most stale_s old) and fetches a new one in the background."""
+    calls, slow = [], asyncio.Event()
+
+    async def ingress(scope, receive, send):
+        calls.append(scope["path"])
+        if slow.is_set():
+            await asyncio.sleep(1.0)
+        await JSONResponse({"n": len(calls)})(scope, receive, send)
+
+    gate = ProxyGate(ingress, watch=IngressWatch(_Serve().read, interval_s=0.01))
+    gate.probes.refresh_s = 0.05
+    transport = httpx.ASGITransport(app=ProxyErrorShape(gate))
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+        assert (await c.get("/health")).json() == {"n": 1}  # nothing cached: passed through
+        assert (await c.get("/health")).json() == {"n": 1} and len(calls) == 1
+        await asyncio.sleep(0.1)
+        slow.set()
+        started = asyncio.get_running_loop().time()
+        assert (await c.get("/health")).json() == {"n": 1}  # cached, refresh started
+        assert asyncio.get_running_loop().time() - started < 0.5
+        await asyncio.sleep(1.2)
+        assert len(calls) == 2 and (await c.get("/health")).json() == {"n": 2}
+        slow.clear()
+        r = await c.get("/pipeline/health")  # each path its own answer: fetched, not cached
+        assert r.json()["n"] > 2 and calls[-1] == "/pipeline/health"
+        r = await c.post("/health")  # GET only: anything else goes through
+        assert r.status_code == 200 and r.json()["n"] == len(calls)
