@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from typing import Any
 
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engines.config import ModelConfig
 from gateway.config import GatewayConfig, load_config
 from gateway.keys import KeyAuth, MeteredEngine
-from gateway.limits import Admission, BodySizeLimit, route_path
+from gateway.limits import Admission, BodySizeLimit, CapacityHeader, route_path
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
 from gateway.shapes import ErrorShapes
@@ -156,6 +157,8 @@ class GatewayIngress:
                     model, request_timeout_s=config.request_timeout_s,
                     max_pending=model.pending_limit())
         clients = {m.name: clients[m.name] for m in config.models}  # the config's order
+        limits = [model.pending_limit() for model in config.models]
+        self._capacity = None if None in limits else sum(limits)
         self._registry = ModelRegistry(clients, config.aliases,
                                        expose_paths=config.expose_model_paths)
         self._config = config
@@ -164,6 +167,9 @@ class GatewayIngress:
         from gateway.tag_store import SharedTagStore
 
         app = create_app(self._registry, self._config)
+        # For Serve's proxy (gateway.proxy), which takes it off; HAProxy would pass it on.
+        if self._capacity is not None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+            app.add_middleware(CapacityHeader, capacity=self._capacity)
         if "aici" in self._config.protocols:
             app.state.aici_tags = SharedTagStore(serve.get_replica_context().app_name)
         return app

@@ -28,11 +28,15 @@ INGRESS_DEPLOYMENT = "GatewayIngress"  # gateway.app's ingress deployment, in ev
 
 
 class Reading(msgspec.Struct, frozen=True):
-    """Route prefixes (longest first) → application, and the applications whose ingress has no
-    replica that is both running (controller) and still there (GCS)."""
+    """Route prefixes (longest first) → application, and per application its ingress replicas
+    that are both running (controller) and still there (GCS); none: the application is down."""
 
     prefixes: tuple[tuple[str, str], ...] = ()
-    down: frozenset[str] = frozenset()
+    replicas: dict[str, int] = {}
+
+    @property
+    def down(self) -> frozenset[str]:
+        return frozenset(app for app, count in self.replicas.items() if not count)
 
 
 def read_serve() -> Reading:
@@ -42,18 +46,17 @@ def read_serve() -> Reading:
 
     details = _get_global_client().get_serve_details()
     live = {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
-    prefixes, down = [], set()
+    prefixes, replicas = [], {}
     for name, app in (details.get("applications") or {}).items():
         ingress = (app.get("deployments") or {}).get(INGRESS_DEPLOYMENT)
         prefix = app.get("route_prefix")
         if ingress is None or prefix is None:  # not a gateway, or not served over HTTP
             continue
         prefixes.append((prefix, name))
-        if not any(r.get("state") == "RUNNING" and r.get("actor_name") in live
-                   for r in ingress.get("replicas") or ()):
-            down.add(name)
+        replicas[name] = sum(1 for r in ingress.get("replicas") or ()
+                             if r.get("state") == "RUNNING" and r.get("actor_name") in live)
     prefixes.sort(key=lambda item: len(item[0]), reverse=True)
-    return Reading(tuple(prefixes), frozenset(down))
+    return Reading(tuple(prefixes), replicas)
 
 
 def app_of(reading: Reading, path: str) -> str | None:
@@ -79,13 +82,17 @@ class IngressWatch:
         self._task: asyncio.Task | None = None
         self._went_down: asyncio.Future | None = None
 
-    def is_down(self, path: str) -> bool:
-        """Whether the gateway application serving ``path`` has no ingress replica now."""
+    def app(self, path: str) -> str | None:
+        """The gateway application serving ``path``, as last read (keeps the watch going)."""
         self._last_request = time.monotonic()
         if self._task is None or self._task.done():
             self.reading = Reading()  # after a quiet spell the last reading is stale
             self._task = asyncio.ensure_future(self._watch())
-        app = app_of(self.reading, path)
+        return app_of(self.reading, path)
+
+    def is_down(self, path: str) -> bool:
+        """Whether the gateway application serving ``path`` has no ingress replica now."""
+        app = self.app(path)
         return app is not None and app in self.reading.down
 
     def went_down(self) -> asyncio.Future:
@@ -96,7 +103,7 @@ class IngressWatch:
         return self._went_down
 
     async def _watch(self) -> None:
-        while time.monotonic() - self._last_request < self.idle_s:
+        while True:  # read at least once per start, however late the task runs
             try:
                 reading = await asyncio.to_thread(self._read)
             except Exception as exc:  # controller busy or restarting: keep the last reading
@@ -109,4 +116,6 @@ class IngressWatch:
                 self.reading = reading
                 if newly_down and self._went_down is not None and not self._went_down.done():
                     self._went_down.set_result(None)
+            if time.monotonic() - self._last_request >= self.idle_s:
+                return
             await asyncio.sleep(self.interval_s)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from starlette.exceptions import HTTPException
 
-__all__ = ["Admission", "BodySizeLimit", "route_path"]
+__all__ = ["CAPACITY_HEADER", "Admission", "BodySizeLimit", "CapacityHeader", "route_path"]
+
+# The generations one ingress replica sends its models at most, on each of its answers: Serve's
+# proxy refuses the excess of a burst before any Ray call (gateway.proxy.ProxyGate), and takes
+# the header off before the client sees it.
+CAPACITY_HEADER = b"x-gateway-capacity"
 
 
 def route_path(scope) -> str:
@@ -103,3 +108,22 @@ class Admission:
             await send(message)
 
         return wrapped
+
+
+class CapacityHeader:
+    """Pure ASGI middleware: :data:`CAPACITY_HEADER` on every HTTP answer."""
+
+    def __init__(self, app, capacity: int):
+        self.app = app
+        self.header = (CAPACITY_HEADER, str(capacity).encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, with_header)

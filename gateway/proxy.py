@@ -31,6 +31,7 @@ import time
 from starlette.middleware import Middleware
 
 from gateway.ingress_watch import IngressWatch
+from gateway.limits import CAPACITY_HEADER
 from gateway.shapes import ErrorShapes
 from protocols.catalog import PROTOCOLS, load_spec
 
@@ -53,6 +54,7 @@ _MESSAGES = {
 _DIED = "The gateway replica serving this request stopped; retry."
 _RESTARTING = "The gateway is starting or restarting; retry shortly."
 _FULL = "The gateway is at capacity; retry later."
+_SLACK = 8
 _STARTS = frozenset({"http.response.start", "websocket.accept", "websocket.close"})
 
 
@@ -212,32 +214,52 @@ class ProxyGate:
                                                 DEFAULT_MAX_REQUESTS)
         self.inflight = 0
         self.probes = ProbeCache()
+        self.posts: dict[str, int] = {}  # POSTs in flight per application
+        self.capacity: dict[str, int] = {}  # per application, as its ingress last said
 
     async def __call__(self, scope, receive, send):
         if _proxy_own(scope):
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if self.watch.is_down(path):
+        app = self.watch.app(path)
+        if app is not None and app in self.watch.reading.down:
             return await self._refuse(scope, _RESTARTING, receive, send)
         if _is_probe(path) and scope["type"] == "http" and scope["method"] == "GET":
             return await self.probes.serve(self.app, scope, receive, send)
-        if self.inflight >= self.max_requests:
+        generation = app is not None and scope["type"] == "http" and scope["method"] == "POST"
+        if self.inflight >= self.max_requests or (
+                generation and self.posts.get(app, 0) >= self._generation_bound(app)):
             return await self._refuse(scope, _FULL, receive, send)
         self.inflight += 1
+        if generation:
+            self.posts[app] = self.posts.get(app, 0) + 1
         try:
-            await self._unless_ingress_dies(scope, receive, send)
+            await self._unless_ingress_dies(scope, receive, send, app)
         finally:
             self.inflight -= 1
+            if generation:
+                self.posts[app] -= 1
 
-    async def _unless_ingress_dies(self, scope, receive, send) -> None:
+    def _generation_bound(self, app: str) -> float:
+        """POSTs the application's ingress replicas could still admit: what each sends its
+        models at most (its ``x-gateway-capacity``) times the replicas running, plus a few
+        that its own refusal answers with the model's name; unbounded until it said."""
+        capacity = self.capacity.get(app)
+        if capacity is None:
+            return float("inf")
+        return capacity * max(self.watch.reading.replicas.get(app, 1), 1) + _SLACK
+
+    async def _unless_ingress_dies(self, scope, receive, send, app: str | None) -> None:
         """The request as Serve handles it; but if its application loses its last ingress
         replica before the response starts, the request was (or will be) held in Serve's
-        router for a replacement: refuse it then."""
+        router for a replacement: refuse it then. Takes the ingress's capacity header off."""
         started = asyncio.get_running_loop().create_future()
 
         async def tracking_send(message):
             if not started.done() and message["type"] in _STARTS:
                 started.set_result(None)
+                if message["type"] == "http.response.start":
+                    message = self._take_capacity(message, app)
             await send(message)
 
         call = asyncio.ensure_future(self.app(scope, receive, tracking_send))
@@ -253,6 +275,16 @@ class ProxyGate:
         finally:
             if not call.done():
                 call.cancel()
+
+    def _take_capacity(self, message: dict, app: str | None) -> dict:
+        headers = message.get("headers") or []
+        kept = [(k, v) for k, v in headers if k.lower() != CAPACITY_HEADER]
+        if len(kept) == len(headers):
+            return message
+        value = next(v for k, v in headers if k.lower() == CAPACITY_HEADER)
+        if app is not None and value.isdigit():
+            self.capacity[app] = int(value)
+        return {**message, "headers": kept}
 
     async def _refuse(self, scope, message: str, receive, send) -> None:
         if scope["type"] == "websocket":

@@ -129,8 +129,9 @@ async def test_lmqls_own_client_connects_with_the_key_in_its_endpoint(faults_url
 # --- overload -----------------------------------------------------------------------------
 
 async def test_overload_is_refused_in_shape_and_the_admitted_requests_finish(faults_url):
-    """Twice the ingress limit at once: the ingress refuses its excess with 503, the engine
-    queue its own with 429 (OpenAI's shape, Retry-After on both), the rest stream to the end,
+    """Twice the ingress limit at once: Serve's proxy refuses what the ingress could not admit
+    with 503 (gateway.proxy: the ingress's capacity plus a few), the engine queue the few
+    beyond it with 429 (OpenAI's shape, Retry-After on both), the rest stream to the end,
     nothing is a 5xx of another kind, and every engine request is released."""
     burst = 2 * INGRESS_LIMIT
     limits = httpx.Limits(max_connections=burst + 8)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import httpx
 import msgspec
@@ -34,17 +33,22 @@ LIMIT = 4 * MAX_MODEL_LEN  # characters; the fake tokenizer makes one token per 
 
 
 class _SlowModel(FakeModel):
-    """Renders large prompts slowly, recording the thread it ran on."""
+    """Renders large prompts in two halves with a wait between them that only the event loop
+    can end: if rendering held the loop, the wait would time out (``loop_ran`` False)."""
 
     def __init__(self):
         super().__init__("fake-model", "Hello world", 0.0, "none")
         self.renders: list[tuple[int, str]] = []
+        self.started = threading.Event()
+        self.loop_went_on = threading.Event()
+        self.loop_ran: bool | None = None
 
     def render(self, prompt):
         text = getattr(prompt, "text", "")
         self.renders.append((len(text), threading.current_thread().name))
         if len(text) > INLINE_CHARS:
-            time.sleep(0.4)  # holds its thread, as a tokenizer in Rust does (GIL released)
+            self.started.set()
+            self.loop_ran = self.loop_went_on.wait(10)  # a tokenizer in Rust, GIL released
             return [ord("x")] * 8
         return super().render(prompt)
 
@@ -91,24 +95,16 @@ async def test_a_large_prompt_is_tokenized_off_the_event_loop():
     """While one request's prompt is tokenized, the loop goes on (it carries every stream)."""
     model = _SlowModel()
     engine = _host(model, limit=None)
-    gaps: list[float] = []
-
-    async def ticker():
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.01)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    tick = asyncio.create_task(ticker())
-    await _events(engine, TextPrompt(text="x" * (INLINE_CHARS + 1)))
+    big = asyncio.ensure_future(_events(engine, TextPrompt(text="x" * (INLINE_CHARS + 1))))
+    while not model.started.is_set():  # runs only while the loop is free
+        await asyncio.sleep(0.001)
+    model.loop_went_on.set()  # from the loop, while the render waits in its thread
+    await big
     await _events(engine, TextPrompt(text="short"))
-    tick.cancel()
-    (big, big_thread), (_, small_thread) = model.renders
-    assert big == INLINE_CHARS + 1 and big_thread != threading.main_thread().name
+    (size, big_thread), (_, small_thread) = model.renders
+    assert size == INLINE_CHARS + 1 and big_thread != threading.main_thread().name
+    assert model.loop_ran is True
     assert small_thread == threading.main_thread().name  # small ones skip the thread hop
-    assert len(gaps) > 10 and max(gaps) < 0.2, max(gaps)
 
 
 async def test_the_offload_line_is_bounded_and_frees_its_slots():

@@ -26,22 +26,36 @@ class _Serve:
 
     def read(self) -> Reading:
         self.reads += 1
-        return Reading(PREFIXES, frozenset(self.down))
+        return Reading(PREFIXES, {app: int(app not in self.down) for _, app in PREFIXES})
 
 
 def _app(delay_s: float = 0.0, release: asyncio.Event | None = None):
     async def app(scope, receive, send):
-        if release is not None and not scope["path"].endswith("/health"):
+        if release is not None and scope["method"] == "POST":
             await release.wait()
         await asyncio.sleep(delay_s)
         await JSONResponse({"ok": True})(scope, receive, send)
     return app
 
 
-def _client(inner, serve: _Serve, **gate) -> httpx.AsyncClient:
-    watch = IngressWatch(serve.read, interval_s=0.01)
-    app = ProxyErrorShape(ProxyGate(inner, watch=watch, **gate))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
+def _client(inner, serve: _Serve, **options) -> httpx.AsyncClient:
+    gate = ProxyGate(inner, watch=IngressWatch(serve.read, interval_s=0.01), **options)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=ProxyErrorShape(gate)),
+                               base_url="http://proxy")
+    client.gate = gate  # type: ignore[attr-defined]
+    return client
+
+
+async def _read_again(serve: _Serve) -> None:
+    """Until the watch has read Serve after what the test just changed."""
+    seen = serve.reads
+    await _until(lambda: serve.reads >= seen + 2)
+
+
+async def _until(condition, timeout_s: float = 10) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
 
 
 def test_paths_map_to_applications_by_the_longest_route_prefix():
@@ -57,9 +71,8 @@ async def test_an_application_without_an_ingress_is_refused_at_once_in_shape():
     serve = _Serve()
     async with _client(_app(), serve) as c:
         assert (await c.post("/v1/completions", json={})).status_code == 200
-        await asyncio.sleep(0.05)
         serve.down = {"gateway"}
-        await asyncio.sleep(0.05)
+        await _read_again(serve)
         r = await c.post("/v1/completions", json={})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert "restarting" in r.json()["error"]["message"]
@@ -68,7 +81,7 @@ async def test_an_application_without_an_ingress_is_refused_at_once_in_shape():
         # another application under its own prefix is not affected
         assert (await c.post("/pipeline/v1/completions", json={})).status_code == 200
         serve.down = set()
-        await asyncio.sleep(0.05)
+        await _read_again(serve)
         assert (await c.post("/v1/completions", json={})).status_code == 200
 
 
@@ -79,10 +92,11 @@ async def test_a_request_held_for_a_dead_ingress_is_refused_when_the_watch_sees_
     async with _client(_app(release=never), serve) as c:
         await c.get("/health")  # starts the watch
         held = asyncio.ensure_future(c.post("/v1/completions", json={}))
-        await asyncio.sleep(0.1)
+        await _until(lambda: c.gate.inflight == 1)
+        await _read_again(serve)
         assert not held.done()
         serve.down = {"gateway"}
-        r = await asyncio.wait_for(held, 2)
+        r = await asyncio.wait_for(held, 10)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
 
 
@@ -90,14 +104,12 @@ async def test_beyond_the_bound_requests_are_refused_before_the_app_and_probes_p
     serve, release = _Serve(), asyncio.Event()
     async with _client(_app(release=release), serve, max_requests=2) as c:
         busy = [asyncio.ensure_future(c.post("/v1/completions", json={})) for _ in range(2)]
-        await asyncio.sleep(0.05)
+        await _until(lambda: c.gate.inflight == 2)
         r = await c.post("/invocations", json={})
         assert r.status_code == 503 and r.json()["code"] == 503 and "capacity" in r.text
         assert r.headers["retry-after"] == "1"
-        probe = asyncio.ensure_future(c.get("/pipeline/health"))
-        await asyncio.sleep(0.05)
+        assert (await c.get("/pipeline/health")).status_code == 200
         release.set()
-        assert (await probe).status_code == 200
         assert [b.status_code for b in await asyncio.gather(*busy)] == [200, 200]
         assert (await c.post("/v1/completions", json={})).status_code == 200
 
@@ -106,15 +118,15 @@ async def test_the_watch_reads_only_while_requests_come():
     serve = _Serve()
     watch = IngressWatch(serve.read, interval_s=0.01, idle_s=0.05)
     watch.is_down("/")
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(watch._task, 10)  # idle: it stops by itself, having read
     reads = serve.reads
     assert reads >= 1
-    await asyncio.sleep(0.1)
-    assert serve.reads == reads  # idle: stopped
+    await asyncio.sleep(0.05)
+    assert serve.reads == reads
     serve.down = {"gateway"}
     assert watch.is_down("/") is False  # a stale reading is dropped on restart
-    await asyncio.sleep(0.05)
-    assert watch.is_down("/") is True
+    await asyncio.wait_for(watch._task, 10)
+    assert watch.reading.down == frozenset({"gateway"})  # what the restarted watch read
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/lmtp"])
@@ -125,40 +137,67 @@ async def test_a_failing_reading_keeps_the_last_one(path):
         calls.append(1)
         if len(calls) > 1:
             raise RuntimeError("controller busy")
-        return Reading(PREFIXES, frozenset({"gateway"}))
+        return Reading(PREFIXES, {"gateway": 0, "pipeline": 1})
 
     watch = IngressWatch(read, interval_s=0.01)
     watch.is_down(path)
-    await asyncio.sleep(0.1)
-    assert len(calls) > 2 and watch.is_down(path) is True
+    await _until(lambda: len(calls) > 2)
+    assert watch.is_down(path) is True
 
 
 async def test_probes_are_answered_from_the_last_answer_while_a_fresh_one_is_fetched():
     """Under a burst the ingress answered /health after 10 s; the proxy answers at once from
     its last answer (at most stale_s old) and fetches a new one in the background."""
-    calls, slow = [], asyncio.Event()
+    calls, answered, stuck = [], [], asyncio.Event()
+    stuck.set()
 
     async def ingress(scope, receive, send):
         calls.append(scope["path"])
-        if slow.is_set():
-            await asyncio.sleep(1.0)
+        await stuck.wait()  # cleared: the ingress does not answer (a burst)
+        answered.append(scope["path"])
         await JSONResponse({"n": len(calls)})(scope, receive, send)
 
     gate = ProxyGate(ingress, watch=IngressWatch(_Serve().read, interval_s=0.01))
-    gate.probes.refresh_s = 0.05
+    gate.probes.refresh_s = 0.0  # every probe starts a refresh (one at a time)
     transport = httpx.ASGITransport(app=ProxyErrorShape(gate))
     async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
         assert (await c.get("/health")).json() == {"n": 1}  # nothing cached: passed through
-        assert (await c.get("/health")).json() == {"n": 1} and len(calls) == 1
-        await asyncio.sleep(0.1)
-        slow.set()
-        started = asyncio.get_running_loop().time()
-        assert (await c.get("/health")).json() == {"n": 1}  # cached, refresh started
-        assert asyncio.get_running_loop().time() - started < 0.5
-        await asyncio.sleep(1.2)
-        assert len(calls) == 2 and (await c.get("/health")).json() == {"n": 2}
-        slow.clear()
+        stuck.clear()
+        assert (await c.get("/health")).json() == {"n": 1}  # cached; a refresh is waiting
+        assert (await c.get("/health")).json() == {"n": 1}  # cached; still one refresh
+        await _until(lambda: len(calls) == 2)
+        assert calls == ["/health", "/health"] and answered == ["/health"]
+        stuck.set()
+        await _until(lambda: len(answered) == 2)
+        assert (await c.get("/health")).json() == {"n": 2}  # the refreshed answer
         r = await c.get("/pipeline/health")  # each path its own answer: fetched, not cached
         assert r.json()["n"] > 2 and calls[-1] == "/pipeline/health"
         r = await c.post("/health")  # GET only: anything else goes through
         assert r.status_code == 200 and r.json()["n"] == len(calls)
+
+
+async def test_generations_beyond_what_the_ingress_can_admit_are_refused_at_the_proxy():
+    """The ingress says on each answer how many generations it sends its models at most; the
+    proxy refuses POSTs beyond that (plus a few) itself, and the client never sees the header."""
+    from gateway.limits import CAPACITY_HEADER, CapacityHeader
+    from gateway.proxy import _SLACK
+
+    release = asyncio.Event()
+    serve = _Serve()
+    ingress = CapacityHeader(_app(release=release), capacity=2)
+    async with _client(ingress, serve) as c:
+        await c.get("/v1/models")  # starts the watch
+        await _read_again(serve)
+        release.set()
+        first = await c.post("/v1/completions", json={})  # learns the capacity
+        assert first.status_code == 200 and CAPACITY_HEADER.decode() not in first.headers
+        release.clear()
+        busy = [asyncio.ensure_future(c.post("/v1/completions", json={}))
+                for _ in range(2 + _SLACK)]
+        await _until(lambda: c.gate.inflight == 2 + _SLACK)
+        r = await c.post("/generate", json={})
+        assert r.status_code == 503 and "capacity" in r.json()["error"]
+        assert (await c.get("/v1/models")).status_code == 200  # GETs are not counted
+        release.set()
+        assert all(b.status_code == 200 for b in await asyncio.gather(*busy))
+        assert (await c.post("/v1/completions", json={})).status_code == 200
