@@ -60,9 +60,9 @@ def check_prompt_size(prompt: Prompt, info: ModelInfo) -> None:
 
 def prompt_chars(prompt: Prompt) -> int:
     """Characters of text the tokenizer will see (0 for a token prompt); the chat template's
-    own text comes on top."""
+    own text comes on top (it renders roles and contents)."""
     if isinstance(prompt, ChatPrompt):
-        return sum(len(m.content) for m in prompt.messages)
+        return sum(len(m.role) + len(m.content) for m in prompt.messages)
     if isinstance(prompt, TokenPrompt):
         return 0
     return len(prompt.text)

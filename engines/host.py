@@ -57,7 +57,8 @@ class EngineHost:
 
     def __init__(self, engine: Engine, offload: Offload | None = None):
         self.engine = engine
-        self.offload = offload or Offload(name="tokenize")
+        # Many waiting is fine: a waiting prompt holds only itself, and its deadline bounds it.
+        self.offload = offload or Offload(name="tokenize", max_waiting=256)
         self.info: ModelInfo = engine.model_info()
         self.active: set[str] = set()  # request ids in flight
         self.aborted = 0  # requests cancelled before they finished (client disconnects)
@@ -76,9 +77,11 @@ class EngineHost:
         cannot fit the context is refused (:class:`InvalidPrompt`), before tokenizing it."""
         try:
             check_prompt_size(prompt, self.info)
+            return tuple(await self._unless_busy(self._render(prompt)))
         except Refused as exc:
             raise InvalidPrompt(str(exc)) from None
-        return tuple(await self._unless_busy(self._render(prompt)))
+        except PromptError as exc:
+            raise InvalidPrompt(f"invalid prompt: {exc}") from None
 
     async def detokenize(self, token_ids: tuple[int, ...]) -> str:
         """Text of ``token_ids``; ids outside the vocabulary are the caller's to reject."""
@@ -113,7 +116,12 @@ class EngineHost:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         try:
             check_request(request, self.info)
-            admitted = admit(request, await self._render(request.prompt), self.info)
+            async with asyncio.timeout(request.timeout_s):  # the deadline covers the wait
+                admitted = admit(request, await self._render(request.prompt), self.info)
+        except TimeoutError:
+            yield ErrorEvent(kind="overloaded", message="the deadline passed while the prompt "
+                             "waited to be tokenized; retry later")
+            return
         except Refused as exc:
             yield exc.event()
             return

@@ -3,14 +3,15 @@
 vLLM runs its EngineCore (and, under it, its workers) as child processes of the replica. A
 replica that stops normally shuts them down; one that is killed (``ray stop --force``, ``kill
 -9``, the OOM killer) cannot, and nothing else does: they kept running, holding 4.3 GB, after
-``ray stop --force`` (docs/reliability.md). So once the engine is up, the replica starts one
-small reaper process, in a session of its own (what stops Ray does not stop it), that checks
-the replica once a second and, when it is gone, ends the processes it was given: SIGTERM, then
-SIGKILL to what is left after ``grace_s``. It exits when they are all gone, whichever way.
+``ray stop --force`` (docs/reliability.md). So before it starts its engine, the replica starts
+one small reaper process, in a session of its own (what stops Ray does not stop it). Once a
+second it notes the replica's descendants; when the replica is gone it ends them (SIGTERM,
+then SIGKILL to what is left after ``grace_s``) and exits.
 
-Processes are named by pid *and* start time, so a reused pid is never signalled.
+A process is named by its pid and its start time in clock ticks since boot (``/proc/<pid>/stat``
+field 22): a reused pid is never signalled, and a wall-clock step changes nothing.
 
-    python -m engines.reaper OWNER_PID:START ... -- PID:START ...
+    python -m engines.reaper OWNER_PID:START_TICKS
 """
 
 from __future__ import annotations
@@ -23,57 +24,63 @@ import time
 
 import psutil
 
-__all__ = ["main", "start_reaper"]
+__all__ = ["main", "start_reaper", "start_ticks"]
 
-Named = tuple[int, float]  # pid, start time (psutil's create_time)
-
-
-def _named(process: psutil.Process) -> str:
-    return f"{process.pid}:{process.create_time()!r}"
+Named = tuple[int, int]  # pid, start time in clock ticks since boot
 
 
-def start_reaper(pids: list[int], owner: int | None = None) -> subprocess.Popen | None:
-    """Watch ``owner`` (default: this process); when it is gone, end ``pids``. Returns the
-    reaper process (None when there is nothing to watch)."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(_named(psutil.Process(pid)))
-        except psutil.NoSuchProcess:
-            continue
-    if not procs:
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # after "(comm)", which may hold ")"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
-    owner_arg = _named(psutil.Process(owner or os.getpid()))
-    return subprocess.Popen([sys.executable, "-m", "engines.reaper", owner_arg, "--", *procs],
+    return int(fields[19])  # field 22 of the whole line
+
+
+def start_reaper(owner: int | None = None) -> subprocess.Popen | None:
+    """Watch ``owner`` (default: this process) from a reaper process; None where there is no
+    ``/proc`` to name processes by (not Linux)."""
+    owner = owner or os.getpid()
+    ticks = start_ticks(owner)
+    if ticks is None:
+        return None
+    return subprocess.Popen([sys.executable, "-m", "engines.reaper", f"{owner}:{ticks}"],
                             start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _parse(arg: str) -> Named:
-    pid, start = arg.split(":", 1)
-    return int(pid), float(start)
-
-
 def _alive(named: Named) -> psutil.Process | None:
     """The process, if it is still the one that was named (and not a zombie)."""
+    if start_ticks(named[0]) != named[1]:
+        return None
     try:
         process = psutil.Process(named[0])
-        if process.create_time() != named[1] or process.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return process
+        return None if process.status() == psutil.STATUS_ZOMBIE else process
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
 
 
-def _signal(targets: list[Named], sig: int) -> None:
+def _descendants(owner: Named) -> set[Named]:
+    try:
+        children = psutil.Process(owner[0]).children(recursive=True)
+    except psutil.Error:
+        return set()
+    me = os.getpid()
+    named = {(child.pid, start_ticks(child.pid)) for child in children if child.pid != me}
+    return {(pid, ticks) for pid, ticks in named if ticks is not None}
+
+
+def _signal(targets: set[Named], sig: int) -> None:
     for process in filter(None, map(_alive, targets)):
         try:
             process.send_signal(sig)
-        except psutil.NoSuchProcess:  # it went by itself meanwhile
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # it went by itself meanwhile
             pass
 
 
-def _end(targets: list[Named], grace_s: float) -> None:
+def _end(targets: set[Named], grace_s: float) -> None:
     _signal(targets, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(map(_alive, targets)):
@@ -81,23 +88,24 @@ def _end(targets: list[Named], grace_s: float) -> None:
     _signal(targets, signal.SIGKILL)
 
 
-def watch(owner: Named, targets: list[Named], interval_s: float = 1.0,
-          grace_s: float = 5.0) -> bool:
-    """Returns True when it ended the targets (the owner went first)."""
-    while any(map(_alive, targets)):
-        if _alive(owner) is None:
-            _end(targets, grace_s)
-            return True
+def watch(owner: Named, interval_s: float = 1.0, grace_s: float = 5.0) -> set[Named]:
+    """Until ``owner`` is gone; then ends what it had under it. Returns what it ended."""
+    seen: set[Named] = set()
+    while _alive(owner) is not None:
+        seen = {named for named in seen | _descendants(owner) if _alive(named) is not None}
         time.sleep(interval_s)
-    return False
+    _end(seen, grace_s)
+    return seen
 
 
 def main(argv: list[str]) -> int:
-    owner, sep, rest = argv[0], argv[1] if len(argv) > 1 else "", argv[2:]
-    if sep != "--" or not rest:
+    try:
+        pid, ticks = argv[0].split(":", 1)
+        owner = (int(pid), int(ticks))
+    except (IndexError, ValueError):
         print(__doc__, file=sys.stderr)
         return 2
-    watch(_parse(owner), [_parse(arg) for arg in rest])
+    watch(owner)
     return 0
 
 

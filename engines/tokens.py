@@ -41,8 +41,11 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
                 tokenize=False,
             )
             return tokenizer.encode(text, add_special_tokens=False)
-    except TemplateError as exc:  # the chat template's own words ("roles must alternate")
-        raise PromptError(str(exc)) from exc
+    except TemplateError as exc:
+        if type(exc) is TemplateError:  # raise_exception: the template's own words
+            raise PromptError(str(exc)) from exc
+        log.warning("the chat template failed: %r", exc)  # jinja's text: the log's only
+        raise PromptError("the chat template could not render these messages") from exc
     except Exception as exc:  # the tokenizer's: Python's text, for the log only
         log.warning("the tokenizer refused a prompt: %r", exc)
         raise PromptError("the tokenizer could not encode this prompt") from exc
@@ -53,13 +56,21 @@ def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int | None:
     """The most characters a text or chat prompt can have and still fit ``max_model_len``
     tokens, or ``None`` where no such bound holds for this tokenizer.
 
-    A token's text covers at most as many characters as the UTF-8 bytes of its vocabulary
-    string (byte-level BPE: one character per byte; SentencePiece: ``▁`` is one space, a
-    byte-fallback token one byte), so ``n`` tokens cover at most ``n * longest`` characters —
-    unless the tokenizer drops or merges input before splitting it, which the probes check.
+    A token covers at most as many characters as its vocabulary string has (byte-level BPE: one
+    string character per byte, so at most one text character; SentencePiece: ``▁`` is one
+    space, a byte-fallback ``<0xNN>`` one byte; tiktoken-style bytes keys: one byte each), so
+    ``n`` tokens cover at most ``n * longest`` characters, unless the tokenizer drops or
+    merges input before splitting it, which the probes check. Any failure here: no bound.
     """
-    longest = max(len(token.encode("utf-8", "surrogatepass"))
-                  for token in tokenizer.get_vocab())
+    try:
+        return _char_limit(tokenizer, max_model_len)
+    except Exception as exc:  # an unusual tokenizer must not keep the engine from starting
+        log.warning("no prompt size bound for this tokenizer: %r", exc)
+        return None
+
+
+def _char_limit(tokenizer: Any, max_model_len: int) -> int | None:
+    longest = max(len(token) for token in tokenizer.get_vocab())
     for probe in _SHRINK_PROBES:
         text = probe * _PROBE_REPEAT
         tokens = len(tokenizer.encode(text, add_special_tokens=False))

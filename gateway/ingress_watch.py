@@ -59,41 +59,50 @@ def read_serve() -> Reading:
     return Reading(tuple(prefixes), replicas)
 
 
-def app_of(reading: Reading, path: str) -> str | None:
-    """The application whose route prefix ``path`` falls under (Serve's rule: longest)."""
+def route_of(reading: Reading, path: str) -> tuple[str, str] | None:
+    """(route prefix, application) that ``path`` falls under (Serve's rule: the longest)."""
     for prefix, app in reading.prefixes:
         if prefix == "/" or path == prefix or path.startswith(prefix.rstrip("/") + "/"):
-            return app
+            return prefix, app
     return None
+
+
+def app_of(reading: Reading, path: str) -> str | None:
+    route = route_of(reading, path)
+    return None if route is None else route[1]
 
 
 class IngressWatch:
     """Re-reads Serve every ``interval_s`` while requests come (stops after ``idle_s`` without
     one: an idle proxy costs the controller nothing). Until the first reading, nothing is
-    refused; a failed reading keeps the last one."""
+    refused; a failed reading keeps the last one, for at most ``stale_s``."""
 
     def __init__(self, read: Callable[[], Reading] = read_serve, interval_s: float = 0.5,
-                 idle_s: float = 30.0):
+                 idle_s: float = 30.0, stale_s: float = 5.0):
         self._read = read
         self.interval_s = interval_s
         self.idle_s = idle_s
         self.reading = Reading()
+        self.stale_s = stale_s
         self._last_request = 0.0
+        self._read_at = 0.0
         self._task: asyncio.Task | None = None
+        self._reading: asyncio.Future | None = None
         self._went_down: asyncio.Future | None = None
 
-    def app(self, path: str) -> str | None:
-        """The gateway application serving ``path``, as last read (keeps the watch going)."""
+    def route(self, path: str) -> tuple[str, str] | None:
+        """(route prefix, gateway application) serving ``path``, as last read (and keeps the
+        watch going)."""
         self._last_request = time.monotonic()
         if self._task is None or self._task.done():
             self.reading = Reading()  # after a quiet spell the last reading is stale
             self._task = asyncio.ensure_future(self._watch())
-        return app_of(self.reading, path)
+        return route_of(self.reading, path)
 
     def is_down(self, path: str) -> bool:
         """Whether the gateway application serving ``path`` has no ingress replica now."""
-        app = self.app(path)
-        return app is not None and app in self.reading.down
+        route = self.route(path)
+        return route is not None and route[1] in self.reading.down
 
     def went_down(self) -> asyncio.Future:
         """Resolved at the next reading that finds some application newly down (requests
@@ -104,18 +113,36 @@ class IngressWatch:
 
     async def _watch(self) -> None:
         while True:  # read at least once per start, however late the task runs
-            try:
-                reading = await asyncio.to_thread(self._read)
-            except Exception as exc:  # controller busy or restarting: keep the last reading
-                log.debug("reading Serve's applications failed: %r", exc)
-            else:
-                newly_down = reading.down - self.reading.down
-                if reading.down != self.reading.down:
-                    log.warning("gateway applications without an ingress replica: %s",
-                                sorted(reading.down) or "none")
-                self.reading = reading
-                if newly_down and self._went_down is not None and not self._went_down.done():
-                    self._went_down.set_result(None)
+            reading = await self._read_bounded()
+            if reading is not None:
+                self._apply(reading)
+            elif time.monotonic() - self._read_at > self.stale_s and self.reading.down:
+                # No news for a while (controller gone or stuck): refuse nothing rather than
+                # keep refusing on an old death.
+                log.warning("no reading of Serve for %.0f s: refusing nothing", self.stale_s)
+                self.reading = Reading()
             if time.monotonic() - self._last_request >= self.idle_s:
                 return
             await asyncio.sleep(self.interval_s)
+
+    async def _read_bounded(self) -> Reading | None:
+        """A reading, or None when it failed or takes longer than a few intervals (a stuck
+        call stays the one in flight: no second thread is started beside it)."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(asyncio.to_thread(self._read))
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._reading), 4 * self.interval_s)
+        except TimeoutError:
+            return None
+        except Exception as exc:  # controller busy or restarting: no news
+            log.debug("reading Serve's applications failed: %r", exc)
+            return None
+
+    def _apply(self, reading: Reading) -> None:
+        newly_down = reading.down - self.reading.down
+        if reading.down != self.reading.down:
+            log.warning("gateway applications without an ingress replica: %s",
+                        sorted(reading.down) or "none")
+        self.reading, self._read_at = reading, time.monotonic()
+        if newly_down and self._went_down is not None and not self._went_down.done():
+            self._went_down.set_result(None)

@@ -80,8 +80,19 @@ async def _answer(shapes: ErrorShapes, scope, status: int, message: str | None, 
     await response(scope, receive, send)
 
 
-def _is_probe(path: str) -> bool:  # under a route prefix too (/pipeline/health)
-    return any(path.endswith(probe) for probe in _PROBES)
+def _is_probe(path: str, prefix: str) -> bool:
+    """A probe path of the application routed at ``prefix`` (``/pipeline/health``)."""
+    return path[len(prefix.rstrip("/")):] in _PROBES
+
+
+def _max_requests_from_env() -> int:
+    raw = os.environ.get(MAX_REQUESTS_VAR) or ""
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    if raw:  # a bad value must not keep the proxy from starting
+        log.warning("%s=%r is not a positive integer: using %d", MAX_REQUESTS_VAR, raw,
+                    DEFAULT_MAX_REQUESTS)
+    return DEFAULT_MAX_REQUESTS
 
 
 def _proxy_own(scope) -> bool:
@@ -144,10 +155,11 @@ class ProbeCache:
     """Probes (``/health`` ...) answered from the ingress's last answer to the same path, which
     is fetched again in the background when it is older than ``refresh_s``: under a burst the
     ingress answers late (10 s measured), a load balancer's probe should not wait for it. An
-    answer older than ``stale_s`` is not used; an ingress that is gone is the gate's to answer
-    (:class:`IngressWatch`)."""
+    answer older than ``stale_s`` (a load balancer's 10 s interval fits) is not used; an
+    ingress that is gone is the gate's to answer (:class:`IngressWatch`). Keys are the probe
+    paths of known applications only, so the cache stays as small as they are."""
 
-    def __init__(self, refresh_s: float = 0.5, stale_s: float = 5.0, timeout_s: float = 30.0):
+    def __init__(self, refresh_s: float = 0.5, stale_s: float = 15.0, timeout_s: float = 30.0):
         self.refresh_s, self.stale_s, self.timeout_s = refresh_s, stale_s, timeout_s
         self._answers: dict[str, _Answer] = {}
         self._fetching: dict[str, asyncio.Task] = {}
@@ -210,8 +222,7 @@ class ProxyGate:
         self.app = app
         self.shapes = shapes or _shapes()
         self.watch = watch or IngressWatch()
-        self.max_requests = max_requests or int(os.environ.get(MAX_REQUESTS_VAR) or
-                                                DEFAULT_MAX_REQUESTS)
+        self.max_requests = max_requests or _max_requests_from_env()
         self.inflight = 0
         self.probes = ProbeCache()
         self.posts: dict[str, int] = {}  # POSTs in flight per application
@@ -221,11 +232,12 @@ class ProxyGate:
         if _proxy_own(scope):
             return await self.app(scope, receive, send)
         path = scope["path"]
-        app = self.watch.app(path)
+        prefix, app = self.watch.route(path) or ("", None)
         if app is not None and app in self.watch.reading.down:
             return await self._refuse(scope, _RESTARTING, receive, send)
-        if _is_probe(path) and scope["type"] == "http" and scope["method"] == "GET":
-            return await self.probes.serve(self.app, scope, receive, send)
+        if scope["type"] == "http" and scope["method"] in ("GET", "HEAD") and _is_probe(
+                path, prefix):
+            return await self.probes.serve(self._stripping(app), scope, receive, send)
         generation = app is not None and scope["type"] == "http" and scope["method"] == "POST"
         if self.inflight >= self.max_requests or (
                 generation and self.posts.get(app, 0) >= self._generation_bound(app)):
@@ -255,14 +267,12 @@ class ProxyGate:
         router for a replacement: refuse it then. Takes the ingress's capacity header off."""
         started = asyncio.get_running_loop().create_future()
 
-        async def tracking_send(message):
+        async def send_once_started(message):
             if not started.done() and message["type"] in _STARTS:
                 started.set_result(None)
-                if message["type"] == "http.response.start":
-                    message = self._take_capacity(message, app)
             await send(message)
 
-        call = asyncio.ensure_future(self.app(scope, receive, tracking_send))
+        call = asyncio.ensure_future(self._stripping(app)(scope, receive, send_once_started))
         try:
             while not call.done() and not started.done():
                 down = self.watch.went_down()
@@ -273,18 +283,35 @@ class ProxyGate:
                     return await self._refuse(scope, _RESTARTING, receive, send)
             await call
         finally:
-            if not call.done():
+            if not call.done():  # this request was cancelled (its client left)
                 call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+
+    def _stripping(self, app: str | None):
+        """The app, with the ingress's capacity header learned and taken off its answers."""
+        async def stripped(scope, receive, send):
+            async def without_capacity(message):
+                if message["type"] == "http.response.start":
+                    message = self._take_capacity(message, app)
+                await send(message)
+
+            await self.app(scope, receive, without_capacity)
+
+        return stripped
 
     def _take_capacity(self, message: dict, app: str | None) -> dict:
-        headers = message.get("headers") or []
-        kept = [(k, v) for k, v in headers if k.lower() != CAPACITY_HEADER]
-        if len(kept) == len(headers):
-            return message
-        value = next(v for k, v in headers if k.lower() == CAPACITY_HEADER)
-        if app is not None and value.isdigit():
-            self.capacity[app] = int(value)
-        return {**message, "headers": kept}
+        headers, kept, value = message.get("headers") or [], [], None
+        for key, header_value in headers:
+            if key.lower() == CAPACITY_HEADER:
+                value = header_value
+            else:
+                kept.append((key, header_value))
+        if app is not None:  # an answer without it: the ingress no longer bounds its models
+            if value is not None and value.isdigit():
+                self.capacity[app] = int(value)
+            else:
+                self.capacity.pop(app, None)
+        return message if value is None else {**message, "headers": kept}
 
     async def _refuse(self, scope, message: str, receive, send) -> None:
         if scope["type"] == "websocket":
@@ -293,6 +320,8 @@ class ProxyGate:
 
 
 def middlewares() -> list[Middleware]:
-    """What Serve's proxy calls at start (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``)."""
+    """What Serve's proxy calls at start (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``).
+    Serve wraps its app in them in list order, so the last is outermost: the error shaping
+    sees whatever the gate and Serve answer."""
     shapes = _shapes()
-    return [Middleware(ProxyErrorShape, shapes=shapes), Middleware(ProxyGate, shapes=shapes)]
+    return [Middleware(ProxyGate, shapes=shapes), Middleware(ProxyErrorShape, shapes=shapes)]

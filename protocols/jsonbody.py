@@ -37,7 +37,7 @@ def decode_json(data: bytes | str, type: type[T] | Any = Any) -> T:
         if type is Any:  # untyped: only a number beyond 64 bits gets here
             raise BodyError(OUT_OF_RANGE) from None
         raise
-    except UnicodeDecodeError:  # msgspec's report of invalid UTF-8 inside a string
+    except UnicodeError:  # msgspec's report of invalid UTF-8 (or a lone surrogate in a str)
         raise BodyError(NOT_UTF8) from None
     except RecursionError:
         raise BodyError(TOO_DEEP) from None

@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-import psutil
-
 from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
@@ -66,12 +64,13 @@ class VLLMEngine:
         if config.controllers is not None:
             kwargs = self._start_controllers(config.controllers, kwargs)
         args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name], **kwargs)
+        # vLLM's EngineCore and workers will be this process's children: if it is killed they
+        # would run on (GBs each), even while they still load; a reaper process ends them then
+        # (engines/reaper.py).
+        self._reaper = start_reaper()
         placement.claim()  # vLLM picks its worker's cores from this process's affinity
         self._llm = AsyncLLM.from_engine_args(args)
         placement.place()  # its worker is up, pinned where it computes: the rest moves off
-        # vLLM's EngineCore and workers are this process's children: if it is killed they
-        # would run on (GBs each); a reaper process ends them then (engines/reaper.py).
-        self._reaper = start_reaper([p.pid for p in psutil.Process().children(recursive=True)])
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"

@@ -10,6 +10,7 @@ from protocols.internal import (
     EngineUnavailable,
     ErrorEvent,
     GenerateRequest,
+    InvalidPrompt,
     ModelDirectory,
     TextPrompt,
     TokenPrompt,
@@ -31,9 +32,12 @@ async def start_generation(engine: EngineClient, model: str, inputs: str,
     prompt: TextPrompt | TokenPrompt = TextPrompt(text=inputs)
     if gen.truncate is not None:  # TGI / lmi-dist `truncate`: keep the last N prompt tokens
         try:
-            ids = await engine.tokenize(prompt)
+            ids = await _truncatable_ids(engine, inputs)
         except EngineUnavailable as exc:
             raise GenerationFailed(exc.event()) from exc
+        except InvalidPrompt as exc:
+            raise GenerationFailed(ErrorEvent(kind="validation", message=str(exc),
+                                              param="inputs")) from None
         except Exception as exc:  # the detail (maybe addresses, traces) goes to the log only
             log.exception("tokenize for %s failed", model)
             raise GenerationFailed(ErrorEvent(kind="engine", message="tokenize failed")) from exc
@@ -46,6 +50,20 @@ async def start_generation(engine: EngineClient, model: str, inputs: str,
     if peeked.error is not None:
         raise GenerationFailed(peeked.error)
     return peeked
+
+
+async def _truncatable_ids(engine: EngineClient, inputs: str) -> tuple[int, ...]:
+    """Token ids of ``inputs``, or of its tail when the whole is longer than any prompt that
+    fits the context: that tail still holds more tokens than the context (each token covers
+    at most ``max_prompt_chars / max_model_len`` characters), so its last ones are the last
+    ones of the whole."""
+    try:
+        return await engine.tokenize(TextPrompt(text=inputs))
+    except InvalidPrompt:
+        limit = (await engine.model_info()).max_prompt_chars
+        if limit is None:
+            raise
+        return await engine.tokenize(TextPrompt(text=inputs[-limit:]))
 
 
 async def response_meta(models: ModelDirectory, model: str, inputs: str,

@@ -74,6 +74,8 @@ async def _events(engine, prompt):
     TextPrompt(text="x" * (LIMIT + 1)),
     ChatPrompt(messages=(ChatMessage(role="user", content="x" * (LIMIT // 2)),
                          ChatMessage(role="user", content="y" * (LIMIT // 2 + 1)))),
+    # the template renders roles too: a huge role is as large as a huge content
+    ChatPrompt(messages=(ChatMessage(role="r" * (LIMIT + 1), content=""),)),
     TokenPrompt(token_ids=tuple(range(1, MAX_MODEL_LEN + 1))),
 ])
 async def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(prompt):
@@ -132,6 +134,13 @@ async def test_tokenize_refuses_an_oversized_prompt_in_the_protocols_shape():
         assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
         r = await c.post("/generate", json={"inputs": "x" * (LIMIT + 1)})
         assert r.status_code == 422 and r.json()["error_type"] == "validation"
+        # TGI's truncate keeps the last tokens: a prompt no context holds still has a tail
+        r = await c.post("/generate", json={"inputs": "y" * LIMIT + "abc",
+                                            "parameters": {"truncate": 3, "max_new_tokens": 2,
+                                                           "decoder_input_details": True}})
+        assert r.status_code == 200, r.text
+        prefill = r.json()["details"]["prefill"]
+        assert "".join(t["text"] for t in prefill) == "abc"
 
 
 @pytest.fixture(scope="module")

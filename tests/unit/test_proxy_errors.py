@@ -129,4 +129,15 @@ def test_serve_accepts_what_the_callback_returns():
 
     returned = middlewares()
     assert validate_http_proxy_callback_return(returned) == returned
-    assert isinstance(returned[0], Middleware) and returned[0].cls is ProxyErrorShape
+    assert all(isinstance(m, Middleware) for m in returned)
+
+
+def test_in_serves_stack_the_error_shaping_is_outermost():
+    """Serve wraps its app in the list's order: the last is outermost, and the shaping must see
+    what the gate answers (the gate's own failure included)."""
+    from ray.serve._private.http_util import _apply_middlewares
+
+    from gateway.proxy import ProxyGate
+
+    app = _apply_middlewares(_silent, middlewares())
+    assert isinstance(app, ProxyErrorShape) and isinstance(app.app, ProxyGate)

@@ -201,3 +201,32 @@ async def test_generations_beyond_what_the_ingress_can_admit_are_refused_at_the_
         release.set()
         assert all(b.status_code == 200 for b in await asyncio.gather(*busy))
         assert (await c.post("/v1/completions", json={})).status_code == 200
+
+
+async def test_with_no_news_from_serve_an_old_death_stops_being_refused():
+    calls = []
+
+    def read():
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("controller gone")
+        return Reading(PREFIXES, {"gateway": 0, "pipeline": 1})
+
+    watch = IngressWatch(read, interval_s=0.01, stale_s=0.1)
+    assert watch.is_down("/v1/completions") is False  # nothing read yet
+    await _until(lambda: watch.reading.down == frozenset({"gateway"}))
+    await _until(lambda: not watch.reading.down)  # failed reads for stale_s: fail open
+
+
+async def test_probe_answers_never_carry_the_capacity_and_only_probe_paths_are_cached():
+    from gateway.limits import CAPACITY_HEADER, CapacityHeader
+
+    serve = _Serve()
+    async with _client(CapacityHeader(_app(), capacity=4), serve) as c:
+        await c.get("/v1/models")
+        await _read_again(serve)
+        for path in ("/health", "/health", "/pipeline/health", "/junk/health", "/v1/health"):
+            r = await c.get(path)
+            assert CAPACITY_HEADER.decode() not in r.headers, path
+        assert set(c.gate.probes._answers) == {"/health", "/pipeline/health"}
+        assert c.gate.capacity == {"gateway": 4, "pipeline": 4}

@@ -1,6 +1,6 @@
 """The reaper (engines/reaper.py) with a real process tree: an "owner" (the replica) with a child
-(vLLM's EngineCore) that would outlive it. Killing the owner with SIGKILL must end the child; a
-child that ends first lets the reaper exit without touching anything."""
+(vLLM's EngineCore) that would outlive it, started before or after the reaper. Killing the owner
+with SIGKILL must end the child; a pid whose start time differs is never touched."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import time
 import psutil
 import pytest
 
-from engines.reaper import start_reaper
+from engines.reaper import _alive, start_reaper, start_ticks
 
-# The owner starts a child that would outlive it, prints the child's pid, then sleeps.
+# The owner waits for a line on stdin, then starts a child that would outlive it and prints
+# the child's pid.
 _OWNER = """
 import subprocess, sys, time
+sys.stdin.readline()
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(child.pid, flush=True)
 time.sleep(600)
@@ -38,10 +40,18 @@ def _gone(pid: int, timeout_s: float) -> bool:
 
 @pytest.fixture
 def owner():
-    process = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
-    child = int(process.stdout.readline())
-    yield process, child
-    for pid in (process.pid, child):
+    process = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    children: list[int] = []
+
+    def start_child() -> int:
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        children.append(int(process.stdout.readline()))
+        return children[-1]
+
+    yield process, start_child
+    for pid in (process.pid, *children):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -49,26 +59,25 @@ def owner():
     process.wait()
 
 
-def test_a_killed_owners_processes_are_ended(owner):
-    process, child = owner
-    reaper = start_reaper([child], owner=process.pid)
+@pytest.mark.parametrize("child_first", [True, False], ids=["child-first", "reaper-first"])
+def test_a_killed_owners_processes_are_ended(owner, child_first):
+    process, start_child = owner
+    child = start_child() if child_first else None
+    reaper = start_reaper(process.pid)
     assert reaper is not None
-    time.sleep(0.3)
+    if child is None:  # like vLLM's EngineCore, which starts after the reaper
+        child = start_child()
+    time.sleep(4)  # the reaper notes the owner's processes once a second (after its start)
     assert not _gone(child, 0.1)  # the owner lives: its child is left alone
+    assert reaper.poll() is None
     process.kill()  # what ray stop --force does to a replica
     process.wait()
-    assert _gone(child, 10), "the orphan outlived its owner"
-    assert reaper.wait(10) == 0
+    assert _gone(child, 15), "the orphan outlived its owner"
+    assert reaper.wait(15) == 0
 
 
-def test_the_reaper_leaves_when_its_processes_end_by_themselves(owner):
-    process, child = owner
-    reaper = start_reaper([child], owner=process.pid)
-    os.kill(child, signal.SIGKILL)
-    assert reaper.wait(10) == 0
-    assert process.poll() is None  # the owner was never touched
-
-
-def test_nothing_to_watch_starts_no_reaper():
-    assert start_reaper([]) is None
-    assert start_reaper([2**22 + 7]) is None  # no such process
+def test_a_process_is_known_by_its_start_time_not_only_its_pid():
+    me = os.getpid()
+    assert _alive((me, start_ticks(me))) is not None
+    assert _alive((me, start_ticks(me) + 1)) is None  # a reused pid would look like this
+    assert start_ticks(2**22 + 7) is None
