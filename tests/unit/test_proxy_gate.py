@@ -6,6 +6,7 @@ in-flight bound. The watch reads a stand-in for Serve; the real one is read in
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -129,17 +130,20 @@ async def test_the_watch_reads_only_while_requests_come():
     assert watch.reading.down == frozenset({"gateway"})  # what the restarted watch read
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/lmtp"])
-async def test_a_failing_reading_keeps_the_last_one(path):
-    calls = []
-
-    def read():
+def _dead_then_silent(calls: list) -> Callable[[], Reading]:
+    """Serve read once (the gateway's ingress gone), then every reading fails."""
+    def read() -> Reading:
         calls.append(1)
         if len(calls) > 1:
             raise RuntimeError("controller busy")
         return Reading(PREFIXES, {"gateway": 0, "pipeline": 1})
+    return read
 
-    watch = IngressWatch(read, interval_s=0.01)
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/lmtp"])
+async def test_a_failing_reading_keeps_the_last_one(path):
+    calls: list = []
+    watch = IngressWatch(_dead_then_silent(calls), interval_s=0.01)
     watch.is_down(path)
     await _until(lambda: len(calls) > 2)
     assert watch.is_down(path) is True
@@ -204,15 +208,7 @@ async def test_generations_beyond_what_the_ingress_can_admit_are_refused_at_the_
 
 
 async def test_with_no_news_from_serve_an_old_death_stops_being_refused():
-    calls = []
-
-    def read():
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError("controller gone")
-        return Reading(PREFIXES, {"gateway": 0, "pipeline": 1})
-
-    watch = IngressWatch(read, interval_s=0.01, stale_s=0.1)
+    watch = IngressWatch(_dead_then_silent([]), interval_s=0.01, stale_s=0.1)
     assert watch.is_down("/v1/completions") is False  # nothing read yet
     await _until(lambda: watch.reading.down == frozenset({"gateway"}))
     await _until(lambda: not watch.reading.down)  # failed reads for stale_s: fail open
