@@ -14,7 +14,12 @@ from collections.abc import Iterable
 from engines.base import Admitted
 from protocols.internal import ChatPrompt, ErrorEvent, GenerateRequest, ModelInfo, Prompt, TokenPrompt
 
-__all__ = ["Refused", "admit", "check_prompt_size", "check_request", "prompt_chars"]
+__all__ = ["MAX_STOP_TOKEN_IDS", "Refused", "admit", "check_prompt_size", "check_request",
+           "prompt_chars"]
+
+# vLLM's GPU model runner holds at most 128 stop ids per request, EOS included, and raises
+# inside the engine for more (with min_tokens): refused here for every kind, in shape.
+MAX_STOP_TOKEN_IDS = 127
 
 
 class Refused(ValueError):
@@ -107,5 +112,8 @@ def admit(request: GenerateRequest, prompt_ids: list[int], info: ModelInfo) -> A
     # Up to the whole vocabulary (LMQL masks through logit_bias): the ids are distinct keys,
     # each inside the vocabulary, which is the bound.
     _check_ids(s.logit_bias, info.vocab_size, "logit_bias")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise Refused(f"stop_token_ids may have at most {MAX_STOP_TOKEN_IDS} entries",
+                      "stop_token_ids")
     _check_ids(s.stop_token_ids, info.vocab_size, "stop_token_ids")
     return Admitted(prompt_ids=prompt_ids, max_tokens=max_tokens)

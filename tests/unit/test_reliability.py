@@ -356,6 +356,7 @@ async def test_token_strings_are_one_engine_call_not_one_per_token():
 @pytest.mark.parametrize("extra, param", [
     ({"logit_bias": {"1": 1, str(VOCAB): 1}}, "logit_bias"),
     ({"best_of": 129, "n": 1}, "best_of"),
+    ({"stop_token_ids": list(range(1, 129))}, "stop_token_ids"),  # vLLM's GPU runner: 128
 ])
 async def test_oversized_per_request_asks_are_refused_before_the_engine(extra, param):
     engine = FakeEngine()
