@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -129,7 +130,7 @@ class IngressWatch:
         """A reading, or None when it failed or takes longer than a few intervals (a stuck
         call stays the one in flight: no second thread is started beside it)."""
         if self._reading is None or self._reading.done():
-            self._reading = asyncio.ensure_future(asyncio.to_thread(self._read))
+            self._reading = _in_own_thread(self._read)
         try:
             return await asyncio.wait_for(asyncio.shield(self._reading), 4 * self.interval_s)
         except TimeoutError:
@@ -146,3 +147,30 @@ class IngressWatch:
         self.reading, self._read_at = reading, time.monotonic()
         if newly_down and self._went_down is not None and not self._went_down.done():
             self._went_down.set_result(None)
+
+
+def _in_own_thread(read: Callable[[], Reading]) -> asyncio.Future:
+    """``read()`` on a daemon thread of its own, not the loop's shared executor: that pool
+    (6 threads on 2 cores) may be full of other blocking calls, and the watch must still read;
+    a daemon thread stuck in a controller call does not hold the process at exit either."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    # a reading given up on (timed out) may still fail later: nobody is left to read that
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    def settle(result, exc) -> None:
+        if not future.done():
+            future.set_exception(exc) if exc is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = read(), None
+        except Exception as error:  # handed to the awaiting task, which logs it
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for this reading
+            pass
+
+    threading.Thread(target=run, name="ingress-watch-read", daemon=True).start()
+    return future

@@ -130,6 +130,25 @@ async def test_the_watch_reads_only_while_requests_come():
     assert watch.reading.down == frozenset({"gateway"})  # what the restarted watch read
 
 
+async def test_the_watch_reads_while_the_loops_thread_pool_is_full():
+    """Other blocking calls may hold every thread of the loop's default executor (CI's earlier
+    tests did): the watch reads on a thread of its own all the same."""
+    import threading
+
+    blocked, serve = threading.Event(), _Serve()
+    loop = asyncio.get_running_loop()
+    hogs = [loop.run_in_executor(None, blocked.wait) for _ in range(64)]
+    try:
+        watch = IngressWatch(serve.read, interval_s=0.01)
+        watch.is_down("/")
+        await _until(lambda: serve.reads >= 2)
+        serve.down = {"gateway"}
+        await _until(lambda: watch.is_down("/"))
+    finally:
+        blocked.set()
+        await asyncio.gather(*hogs)
+
+
 def _dead_then_silent(calls: list) -> Callable[[], Reading]:
     """Serve read once (the gateway's ingress gone), then every reading fails."""
     def read() -> Reading:
