@@ -15,7 +15,8 @@ own cost dominates. ``--hog`` runs one busy process pinned to CPU 0 beside every
     python bench/compare.py [--models embedded,tiny] [--targets bare,gateway,serve-llm]
                             [--concurrency 1,16,64] [--rounds 3] [--hog]
 
-Targets: ``bare``, ``gateway`` (the default layout), ``gateway-colocated-haproxy`` (the
+Targets: ``bare``, ``gateway`` (the default layout), ``gateway-over-ray`` (the same, engine
+replicas streaming as Ray objects: ``engine_transport: ray``), ``gateway-colocated-haproxy`` (the
 fastest: ``serve_config.colocated.yaml``'s layout behind HAProxy), ``serve-llm`` (Ray Serve
 LLM), and the Serve-setting variants in ``STARTERS``. Results land in ``bench/results/``:
 ``compare.json`` (every measurement) and ``summary.md``.
@@ -50,6 +51,7 @@ from gateway import serve_env  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PORTS = {"bare": 8100, "gateway": 8000, "gateway-haproxy": 8000, "serve-llm": 8200,
+         "gateway-over-ray": 8000, "gateway-haproxy-over-ray": 8000,
          "gateway-samethread": 8000, "gateway-grpc": 8000, "gateway-tput": 8000,
          "gateway-colocated": 8000, "gateway-colocated-grpc": 8000,
          "gateway-colocated-haproxy": 8000}
@@ -164,7 +166,8 @@ def _ray_env(**extra: str) -> dict:
 
 
 def _serve_gateway(model: str, model_dir: str, overrides: dict,
-                   env: dict | None = None, colocated: bool = False) -> subprocess.Popen:
+                   env: dict | None = None, colocated: bool = False,
+                   transport: str = "channel") -> subprocess.Popen:
     # The README's path: `serve run` of a config, Serve's proxy on the public port.
     config = {
         "proxy_location": "EveryNode",
@@ -172,7 +175,8 @@ def _serve_gateway(model: str, model_dir: str, overrides: dict,
         "applications": [{
             "name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
             "args": {"models": [{"name": model, "source": model_dir,
-                                 "engine_args": overrides, "colocated": colocated}]},
+                                 "engine_args": overrides, "colocated": colocated}],
+                     "engine_transport": transport},
         }],
     }
     path = Path(tempfile.mkdtemp()) / "bench_serve.json"
@@ -186,9 +190,10 @@ def _serve_gateway(model: str, model_dir: str, overrides: dict,
 # to the ingress replica's own HTTP server (direct ingress), no Serve proxy actor in the path.
 # The settings LLM_GATEWAY_INGRESS=haproxy selects (gateway/serve_env.py).
 def _serve_gateway_haproxy(model: str, model_dir: str, overrides: dict,
-                           colocated: bool = False) -> subprocess.Popen:
+                           colocated: bool = False, transport: str = "channel",
+                           ) -> subprocess.Popen:
     return _serve_gateway(model, model_dir, overrides, serve_env.HAPROXY_ENV,
-                          colocated=colocated)
+                          colocated=colocated, transport=transport)
 
 
 def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
@@ -228,6 +233,11 @@ STARTERS = {"bare": _serve_bare, "gateway": _serve_gateway,
             "gateway-colocated-grpc": functools.partial(_serve_gateway, colocated=True,
                                                         env=VARIANTS["gateway-grpc"]),
             "gateway-haproxy": _serve_gateway_haproxy, "serve-llm": _serve_llm,
+            # Engine replicas streaming to the ingress as Ray objects (engine_transport: ray,
+            # the default layout before the engine channel).
+            "gateway-over-ray": functools.partial(_serve_gateway, transport="ray"),
+            "gateway-haproxy-over-ray": functools.partial(_serve_gateway_haproxy,
+                                                          transport="ray"),
             # Both: HTTP, protocol layer and engine client in one process (what bare vLLM's
             # API server is), HAProxy in front.
             "gateway-colocated-haproxy": functools.partial(_serve_gateway_haproxy,

@@ -1,9 +1,11 @@
 """The Ray Serve deployment that hosts one engine replica, of any engine kind.
 
-Events cross from this replica to the ingress as msgpack-encoded *batches*: whatever the engine
-has produced since the ingress last pulled. When the ingress keeps up that is one event per item
-(no added latency); when it falls behind, tokens coalesce instead of queueing one Ray object
-per token.
+Two ways for a generation's events to reach the ingress. By default (``generate_to``) the
+ingress passes the address of its channel (``engines.channel``) and the events go there, every
+stream's events of an engine step in one frame, while the Serve call only lasts as long as the
+stream. With ``engine_transport: ray`` (``generate``) they are the call's streamed results:
+msgpack-encoded *batches* of whatever the engine produced since the ingress last pulled, which
+costs a Ray object per batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ray import serve
 
 from engines.base import ReferenceOutput
 from engines.callers import Caller, CallerWatch
+from engines.channel import ChannelAddress, ChannelSender
 from engines.config import ModelConfig
 from protocols.internal import (
     EngineStats,
@@ -88,6 +91,7 @@ class EngineDeployment:
 
         self.host = EngineHost(create_engine(config))
         self.callers = CallerWatch()
+        self.channels = ChannelSender()
 
     async def generate(self, request: GenerateRequest,
                        caller: Caller | None = None) -> AsyncIterator[bytes]:
@@ -96,6 +100,15 @@ class EngineDeployment:
         watch = None if caller is None else (lambda task: self.callers.track(caller, task))
         async for batch in drain_batches(self.host.generate(request), watch):
             yield encode_events(batch)
+
+    async def generate_to(self, request: GenerateRequest, channel: ChannelAddress,
+                          caller: Caller | None = None) -> int:
+        """Stream the generation's events over the ingress's channel (``engines.channel``)
+        rather than as this call's results; returns when the stream is over, with the number
+        of events sent."""
+        if caller is not None:
+            self.callers.track(caller, asyncio.current_task())
+        return await self.channels.stream(channel, self.host.generate(request))
 
     async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
         return await self.host.tokenize(prompt)

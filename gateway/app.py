@@ -147,9 +147,10 @@ class GatewayIngress:
                 # side by side): the handle must not insist that it exists yet.
                 handles[model.name] = serve.get_deployment_handle(
                     engine_deployment_name(model), app_name=model.app, _check_exists=False)
+        channel = _channel_receiver() if config.engine_transport == "channel" else None
         clients = {n: ServeEngineClient(h, n, request_timeout_s=config.request_timeout_s,
                                         stall_timeout_s=config.engine_stall_timeout_s,
-                                        max_pending=models[n].pending_limit())
+                                        max_pending=models[n].pending_limit(), channel=channel)
                    for n, h in handles.items()}
         for model in config.models:
             if model.colocated:
@@ -173,6 +174,17 @@ class GatewayIngress:
         if "aici" in self._config.protocols:
             app.state.aici_tags = SharedTagStore(serve.get_replica_context().app_name)
         return app
+
+
+def _channel_receiver():
+    """This ingress replica's end of the engines' token channel, on the node's address (engine
+    replicas on other nodes connect to it)."""
+    import ray
+
+    from engines.channel import ChannelReceiver
+
+    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    return ChannelReceiver(host)
 
 
 def engine_deployment_name(model: ModelConfig) -> str:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -34,6 +35,7 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle
 
 from engines.callers import current_caller
+from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
 from protocols.internal import (
     EngineStats,
     EngineUnavailable,
@@ -51,7 +53,7 @@ __all__ = ["ServeEngineClient", "overloaded", "with_default_deadline"]
 log = logging.getLogger(__name__)
 
 # The replica is gone or not (yet) there: the model is unavailable, not the request wrong.
-_REPLICA_GONE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
+_REPLICA_GONE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError, ChannelLost)
 _MONITOR_INTERVAL_S = 2.0
 
 
@@ -61,8 +63,10 @@ class ServeEngineClient:
     def __init__(self, handle: DeploymentHandle, model: str | None = None, *,
                  request_timeout_s: float | None = None, stall_timeout_s: float | None = None,
                  probe_timeout_s: float = 2.0, max_pending: int | None = None,
-                 monitor_interval_s: float | None = _MONITOR_INTERVAL_S):
+                 monitor_interval_s: float | None = _MONITOR_INTERVAL_S,
+                 channel: ChannelReceiver | None = None):
         self._handle = handle
+        self._channel = channel  # None: the events come as the Serve call's results
         self._streaming = handle.options(stream=True)
         self.model = model or handle.deployment_name
         self.request_timeout_s = request_timeout_s
@@ -159,39 +163,32 @@ class ServeEngineClient:
             yield self._no_replica().event()
             return
         self.pending += 1
-        try:
-            async for event in self._generate(request):
-                yield event
+        try:  # closed at once with this one (a client gone): the engine request is aborted
+            async with aclosing(self._generate(request)) as events:
+                async for event in events:
+                    yield event
         finally:
             self.pending -= 1
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         request = with_default_deadline(request, self.request_timeout_s)
-        # A replica that died before sending anything is retried once: nothing reached the
-        # client, and Serve's router, having seen the death, picks another replica (with two
-        # replicas a killed one costs no failed new request).
         if self._caller is False:
             self._caller = current_caller()
         # Named, the engine replica aborts this generation if this ingress replica dies.
         extra = {} if self._caller is None else {"caller": self._caller}
+        # A replica that died before sending anything is retried once: nothing reached the
+        # client, and Serve's router, having seen the death, picks another replica (with two
+        # replicas a killed one costs no failed new request).
         for attempt in (0, 1):
-            response = self._streaming.generate.remote(request, **extra)
-            received = finished = False
+            received = False
             try:
-                if not await self._assigned(response):
-                    yield self._no_replica().event()
-                    return
-                stream = aiter(response)
-                while True:
-                    try:
-                        async with asyncio.timeout(self.stall_timeout_s):
-                            blob = await anext(stream)
-                    except StopAsyncIteration:
-                        break
-                    received = True
-                    for event in decode_events(blob):
+                async with aclosing(self._stream(request, extra)) as events:
+                    async for event in events:
+                        received = True
                         yield event
-                finished = True
+                return
+            except _NoReplica:
+                yield self._no_replica().event()
                 return
             except TimeoutError:
                 log.error("engine for %s sent nothing for %.0f s; ending %s", self.model,
@@ -200,8 +197,15 @@ class ServeEngineClient:
                 yield ErrorEvent(kind="engine", message=(
                     f"the engine stopped responding (nothing for {self.stall_timeout_s:g} s)"))
                 return
+            except ChannelUnreachable as exc:
+                log.warning("engine replica of %s cannot reach this ingress's channel (%s): "
+                            "streaming over Ray from now on", self.model, exc)
+                self._channel = None
+                if attempt == 0:
+                    continue
+                yield self._failure(request.request_id, exc)
+                return
             except Exception as exc:  # replica died, queue full, ...: end the stream cleanly
-                finished = True
                 if attempt == 0 and not received and isinstance(exc, _REPLICA_GONE):
                     log.warning("engine replica for %s gone before %s started (%r)",
                                 self.model, request.request_id, exc)
@@ -214,9 +218,48 @@ class ServeEngineClient:
                     return
                 yield self._failure(request.request_id, exc)
                 return
-            finally:
-                if not finished:  # client went away or stalled: cancelling aborts the request
-                    response.cancel()
+
+    def _stream(self, request: GenerateRequest, extra: dict) -> AsyncIterator[Event]:
+        if self._channel is not None:
+            return self._stream_over_channel(request, extra)
+        return self._stream_over_ray(request, extra)
+
+    async def _stream_over_ray(self, request: GenerateRequest, extra: dict,
+                               ) -> AsyncIterator[Event]:
+        """The generation's events as the Serve call's streamed results (msgpack batches)."""
+        response = self._streaming.generate.remote(request, **extra)
+        finished = False
+        try:
+            if not await self._assigned(response):
+                raise _NoReplica
+            async for blob in _within(aiter(response), self.stall_timeout_s):
+                for event in decode_events(blob):
+                    yield event
+            finished = True
+        finally:
+            if not finished:  # failed, or the client went away: cancelling aborts the request
+                response.cancel()
+
+    async def _stream_over_channel(self, request: GenerateRequest, extra: dict,
+                                   ) -> AsyncIterator[Event]:
+        """The generation's events over this ingress's channel (``engines.channel``); the
+        Serve call returns when the stream is over, and its failure ends the stream."""
+        inbox = await self._channel.open()
+        response = self._handle.generate_to.remote(request, inbox.address, **extra)
+        finished = False
+        try:
+            if not await self._assigned(response):
+                raise _NoReplica
+            call = asyncio.ensure_future(_answer(response))
+            call.add_done_callback(inbox.call_finished)
+            async for batch in _within(aiter(inbox), self.stall_timeout_s):
+                for event in batch:
+                    yield event
+            finished = True
+        finally:
+            inbox.close()
+            if not finished:
+                response.cancel()
 
     async def _assigned(self, response) -> bool:
         """Wait until Serve's router has handed the request to a replica; False (the request
@@ -296,6 +339,25 @@ class ServeEngineClient:
 
     async def stats(self) -> EngineStats:
         return await self._call("stats", "stats")
+
+
+class _NoReplica(Exception):
+    """The model turned out to have no healthy replica while the request waited for one."""
+
+
+async def _answer(response) -> Any:
+    return await response
+
+
+async def _within(items: AsyncIterator, timeout_s: float | None) -> AsyncIterator:
+    """``items``, each within ``timeout_s`` of the last (TimeoutError: the engine is stuck)."""
+    while True:
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await anext(items)
+        except StopAsyncIteration:
+            return
+        yield item
 
 
 def with_default_deadline(request: GenerateRequest, timeout_s: float | None) -> GenerateRequest:

@@ -2,7 +2,8 @@
 
 Each test runs against the fake kind (in process, behind the real ``EngineHost``) and against
 real vLLM and the pipeline kind through their Ray Serve deployments and the ingress's
-``ServeEngineClient`` (msgpack batches and all). A new engine kind joins by adding a parameter to ``engine``.
+``ServeEngineClient`` (over the engine channel, and once over Ray objects). A new engine kind
+joins by adding a parameter to ``engine``.
 """
 
 from __future__ import annotations
@@ -41,25 +42,32 @@ class Kind:
 
 
 @pytest.fixture(params=["fake", pytest.param("vllm", marks=pytest.mark.e2e),
+                        pytest.param("vllm-over-ray", marks=pytest.mark.e2e),
                         pytest.param("pipeline", marks=pytest.mark.e2e)])
-async def engine(request) -> Kind:
-    """One client per engine kind: a new kind adds a parameter and a branch here."""
+async def engine(request) -> AsyncIterator[Kind]:
+    """One client per engine kind: a new kind adds a parameter and a branch here. Serve kinds
+    stream over the ingress's channel (the default); ``vllm-over-ray`` as Ray objects."""
+    from engines.channel import ChannelReceiver
+    from gateway.engine_client import ServeEngineClient
+
+    receiver = ChannelReceiver()
     if request.param == "fake":
         client: EngineClient = FakeEngine(delay=0.02)
         deadline = 0.3
     elif request.param == "vllm":  # the session's Ray Serve deployment (tests/serve_session.py)
-        from gateway.engine_client import ServeEngineClient
-
+        client = ServeEngineClient(request.getfixturevalue("engine_handle"), channel=receiver)
+        deadline = 1.0
+    elif request.param == "vllm-over-ray":
         client = ServeEngineClient(request.getfixturevalue("engine_handle"))
         deadline = 1.0
     elif request.param == "pipeline":  # the embedded model split over 2 Ray stage actors
-        from gateway.engine_client import ServeEngineClient
-
-        client = ServeEngineClient(request.getfixturevalue("pipeline_handle"))
+        client = ServeEngineClient(request.getfixturevalue("pipeline_handle"), channel=receiver)
         deadline = 1.0
     else:
         raise AssertionError(f"no client for engine kind {request.param}")
-    return Kind(request.param, client, await client.model_info(), deadline)
+    kind = request.param.removesuffix("-over-ray")  # the same kind, another transport
+    yield Kind(kind, client, await client.model_info(), deadline)
+    await receiver.close()
 
 
 def _request(rid: str, prompt=None, **kwargs) -> GenerateRequest:

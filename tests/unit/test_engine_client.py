@@ -10,6 +10,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
+from engines.channel import ChannelReceiver, ChannelSender, ChannelUnreachable
 from gateway.engine_client import ServeEngineClient
 from protocols.internal import (
     EngineUnavailable,
@@ -233,3 +234,126 @@ async def test_past_its_pending_bound_a_model_refuses_without_calling_serve():
     assert client.pending == 0
     handle.responses.append(_Response([encode_events([TOKEN, FINAL])]))
     assert await _events(client) == [TOKEN, FINAL]
+
+
+# --- the same over the engine channel (engines.channel): real sockets, a stand-in Serve call ---
+
+class _Call:
+    """A unary Serve call as the ingress sees it: awaitable, cancellable."""
+
+    def __init__(self, coroutine):
+        self.task = asyncio.ensure_future(coroutine)
+        self.cancelled = False
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def cancel(self):
+        self.cancelled = True
+        self.task.cancel()
+
+
+class _ChannelHandle(_Handle):
+    """An engine replica that streams over the channel: each call follows the next plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.sender = ChannelSender()
+        self.plans: list = []
+        self.calls: list[_Call] = []
+        self.generate_to = _Method(self._generate_to)
+
+    def _generate_to(self, request, address):
+        self.sent.append(request)
+        self.calls.append(_Call(self.plans.pop(0)(self.sender, address)))
+        return self.calls[-1]
+
+
+def _streams(events, then=None, hang=False, closed=None):
+    async def generation():
+        try:
+            for event in events:
+                yield event
+            if hang:
+                await asyncio.Event().wait()
+        finally:
+            if closed is not None:
+                closed.append(True)
+
+    async def plan(sender, address):
+        sent = await sender.stream(address, generation())
+        if then is not None:
+            await asyncio.sleep(0.05)
+            raise then
+        return sent
+    return plan
+
+
+def _fails(exc):
+    async def plan(sender, address):
+        raise exc
+    return plan
+
+
+@pytest.fixture
+async def channel_client():
+    receiver, handle = ChannelReceiver(), _ChannelHandle()
+    yield _client(handle, channel=receiver, stall_timeout_s=2.0), handle
+    handle.sender.close()
+    await receiver.close()
+
+
+async def test_over_the_channel_a_stream_arrives_whole(channel_client):
+    client, handle = channel_client
+    handle.plans.append(_streams([TOKEN, TOKEN, FINAL]))
+    assert await _events(client) == [TOKEN, TOKEN, FINAL]
+    assert await handle.calls[0] == 3  # the call returns the count the engine sent
+
+
+async def test_over_the_channel_a_replica_dead_before_streaming_is_retried_once(channel_client):
+    client, handle = channel_client
+    handle.plans += [_fails(_Died()), _streams([TOKEN, FINAL])]
+    assert await _events(client) == [TOKEN, FINAL] and len(handle.sent) == 2
+
+
+async def test_over_the_channel_a_replica_dying_mid_stream_ends_it_unavailable(channel_client):
+    client, handle = channel_client
+    handle.plans.append(_streams([TOKEN], hang=True))
+    stream = client.generate(_request())
+    assert await anext(stream) == TOKEN
+    handle.calls[0].task.cancel()  # the call fails as a dead replica's does
+    handle.calls[0].task = asyncio.ensure_future(_fails(_Died())(None, None))
+    handle.sender.close()  # and its connection closes
+    rest = [event async for event in stream]
+    assert [e.kind for e in rest] == ["unavailable"] and SECRET not in rest[0].message
+
+
+async def test_over_the_channel_a_client_that_leaves_aborts_the_engine_request(channel_client):
+    client, handle = channel_client
+    closed: list = []
+    handle.plans.append(_streams([TOKEN], hang=True, closed=closed))
+    stream = client.generate(_request())
+    assert await anext(stream) == TOKEN
+    await stream.aclose()
+    assert handle.calls[0].cancelled
+    await asyncio.wait_for(asyncio.wait([handle.calls[0].task]), 5)
+    assert closed == [True] and client.pending == 0
+
+
+async def test_over_the_channel_a_stuck_replica_ends_the_stream(channel_client):
+    client, handle = channel_client
+    client.stall_timeout_s = 0.2
+    handle.plans.append(_streams([TOKEN], hang=True))
+    events = await _events(client)
+    assert events[0] == TOKEN and "stopped responding" in events[-1].message
+    assert handle.calls[0].cancelled
+
+
+async def test_an_engine_that_cannot_reach_the_channel_falls_back_to_ray(channel_client):
+    client, handle = channel_client
+    handle.plans.append(_fails(ChannelUnreachable("10.0.0.7:4242 refused")))
+    handle.responses += [_Response([encode_events([TOKEN, FINAL])]),
+                         _Response([encode_events([FINAL])])]
+    assert await _events(client) == [TOKEN, FINAL]
+    assert await _events(client) == [FINAL]  # and from then on
+    assert len(handle.calls) == 1 and len(handle.sent) == 3

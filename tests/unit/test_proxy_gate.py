@@ -106,6 +106,7 @@ async def test_beyond_the_bound_requests_are_refused_before_the_app_and_probes_p
     async with _client(_app(release=release), serve, max_requests=2) as c:
         busy = [asyncio.ensure_future(c.post("/v1/completions", json={})) for _ in range(2)]
         await _until(lambda: c.gate.inflight == 2)
+        await _read_again(serve)  # the routes known: /pipeline/health is a probe path
         r = await c.post("/invocations", json={})
         assert r.status_code == 503 and r.json()["code"] == 503 and "capacity" in r.text
         assert r.headers["retry-after"] == "1"
