@@ -23,6 +23,7 @@ import hmac
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -38,6 +39,7 @@ MAX_FRAME_BYTES = 64 << 20  # a prompt's logprobs with many alternatives fit man
 _LENGTH = 4
 _CONNECT_TIMEOUT_S = 5.0
 _END_GRACE_S = 5.0  # how long a finished call's last frame may trail it (another path)
+_STALL_CHECK_S = 1.0
 _BACKLOG_EVENTS = 4096  # per connection, not yet written: beyond, its streams wait
 
 
@@ -104,9 +106,12 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
 class Inbox:
     """One stream's events as they arrive; iterate it for batches (lists) of events."""
 
-    def __init__(self, address: ChannelAddress, receiver: ChannelReceiver):
+    def __init__(self, address: ChannelAddress, receiver: ChannelReceiver,
+                 stall_timeout_s: float | None = None):
         self.address = address
         self._receiver = receiver
+        self.stall_timeout_s = stall_timeout_s
+        self.arrived_at = time.monotonic()
         self._events: list[Event] = []
         self._ended = False
         self._failure: BaseException | None = None
@@ -115,6 +120,7 @@ class Inbox:
 
     def put(self, part: StreamPart, connection: object) -> None:
         self.connection = connection
+        self.arrived_at = time.monotonic()
         self._events.extend(part.events)
         self._ended = self._ended or part.end
         self._arrived.set()
@@ -168,6 +174,7 @@ class ChannelReceiver:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._starting: asyncio.Future | None = None
+        self._watchdog: asyncio.Task | None = None
         self.port = 0
 
     async def start(self) -> None:
@@ -177,16 +184,31 @@ class ChannelReceiver:
         self._server = await asyncio.shield(self._starting)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    async def open(self) -> Inbox:
-        """A new stream's inbox (its ``address`` goes to the engine with the request)."""
+    async def open(self, stall_timeout_s: float | None = None) -> Inbox:
+        """A new stream's inbox (its ``address`` goes to the engine with the request). With
+        ``stall_timeout_s``, iterating it raises TimeoutError once nothing came for that long
+        (a replica alive but stuck); checked once a second for every stream, not per token."""
         try:
             await self.start()
         except OSError as exc:  # no port to listen on here: the caller streams over Ray
             raise ChannelUnreachable(f"cannot listen on {self.host}: {exc!r}") from None
         key = next(self._keys)
-        inbox = Inbox(ChannelAddress(self.host, self.port, self.secret, key), self)
-        self._inboxes[key] = inbox
+        address = ChannelAddress(self.host, self.port, self.secret, key)
+        inbox = self._inboxes[key] = Inbox(address, self, stall_timeout_s)
+        if stall_timeout_s is not None and (self._watchdog is None or self._watchdog.done()):
+            self._watchdog = asyncio.ensure_future(self._watch_stalls())
         return inbox
+
+    async def _watch_stalls(self) -> None:
+        while any(inbox.stall_timeout_s is not None for inbox in self._inboxes.values()):
+            await asyncio.sleep(min([_STALL_CHECK_S, *(
+                inbox.stall_timeout_s for inbox in self._inboxes.values()
+                if inbox.stall_timeout_s is not None)]))
+            now = time.monotonic()
+            for inbox in list(self._inboxes.values()):
+                if inbox.stall_timeout_s is not None and (
+                        now - inbox.arrived_at > inbox.stall_timeout_s):
+                    inbox.fail(TimeoutError(f"nothing for {inbox.stall_timeout_s:g} s"))
 
     def forget(self, key: int) -> None:
         self._inboxes.pop(key, None)
@@ -194,6 +216,8 @@ class ChannelReceiver:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for writer in list(self._writers):
             writer.transport.abort()
 

@@ -244,7 +244,7 @@ class ServeEngineClient:
                                    ) -> AsyncIterator[Event]:
         """The generation's events over this ingress's channel (``engines.channel``); the
         Serve call returns when the stream is over, and its failure ends the stream."""
-        inbox = await self._channel.open()
+        inbox = await self._channel.open(self.stall_timeout_s)
         response = self._handle.generate_to.remote(request, inbox.address, **extra)
         finished = False
         try:
@@ -252,7 +252,7 @@ class ServeEngineClient:
                 raise _NoReplica
             call = asyncio.ensure_future(_answer(response))
             call.add_done_callback(inbox.call_finished)
-            async for batch in _within(aiter(inbox), self.stall_timeout_s):
+            async for batch in inbox:  # TimeoutError: stalled (the inbox's own watchdog)
                 for event in batch:
                     yield event
             finished = True
