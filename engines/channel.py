@@ -227,7 +227,8 @@ class ChannelReceiver:
         try:
             hello = _hello_decoder.decode(await asyncio.wait_for(_read_frame(reader),
                                                                  _CONNECT_TIMEOUT_S))
-            if not hmac.compare_digest(hello.secret, self.secret):
+            # as bytes: compare_digest raises TypeError for a str that is not ASCII
+            if not hmac.compare_digest(hello.secret.encode(), self.secret.encode()):
                 log.warning("channel connection with a wrong secret refused")
                 return
             while True:

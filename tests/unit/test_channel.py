@@ -88,15 +88,17 @@ async def test_streams_arrive_whole_in_order_and_a_step_is_one_frame(ends, monke
     assert len(frames) <= 30 and max(frames) == 8, frames
 
 
-async def test_an_unknown_secret_is_refused(ends):
+@pytest.mark.parametrize("secret", ["0" * 32, "é" * 32])
+async def test_an_unknown_secret_is_refused(ends, secret, caplog):
     receiver, sender = ends
     inbox = await receiver.open()
-    forged = ChannelAddress(inbox.address.host, inbox.address.port, "0" * 32, inbox.address.key)
+    forged = ChannelAddress(inbox.address.host, inbox.address.port, secret, inbox.address.key)
     closed: list = []
     with pytest.raises((ChannelLost, asyncio.CancelledError)):
         await asyncio.wait_for(sender.stream(forged, _generation(10**6, closed=closed)), 10)
     assert closed  # the generation was closed: the engine aborts it
     assert inbox._events == []
+    assert "wrong secret refused" in caplog.text  # refused as such, not by a TypeError
 
 
 async def test_an_unreachable_ingress_is_named_so_the_ingress_can_fall_back():
