@@ -277,16 +277,18 @@ class _Connection:
         self._workers = [asyncio.ensure_future(self._write()),
                          asyncio.ensure_future(self._watch(reader))]
 
-    def send(self, key: int, events: list[Event], end: bool = False) -> None:
+    def send(self, key: int, event: Event | None = None, *, end: bool = False) -> None:
+        """``event`` (if any) goes into stream ``key``'s part of the next frame; ``end`` ends
+        the stream there."""
         if self.closed:
             raise ChannelLost("the connection to the ingress closed")
         part = self._parts.get(key)
         if part is None:
-            self._parts[key] = StreamPart(key, list(events), end)
-        else:
-            part.events.extend(events)
-            part.end = part.end or end
-        self.pending += len(events)
+            part = self._parts[key] = StreamPart(key, [])
+        if event is not None:
+            part.events.append(event)
+            self.pending += 1
+        part.end = part.end or end
         self._idle.clear()
         self._ready.set()
 
@@ -354,6 +356,8 @@ class ChannelSender:
             connection = await asyncio.shield(self._opening[where])
         finally:
             self._opening.pop(where, None)
+        # a new connection is rare: the time to forget those of ingress replicas gone since
+        self._connections = {k: c for k, c in self._connections.items() if not c.closed}
         self._connections[where] = connection
         return connection
 
@@ -376,11 +380,11 @@ class ChannelSender:
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
-                    connection.send(address.key, [event])
+                    connection.send(address.key, event)
                     sent += 1
                     if connection.pending >= _BACKLOG_EVENTS:  # a slow ingress: wait for it
                         await connection.flushed()
-            connection.send(address.key, [], end=True)
+            connection.send(address.key, end=True)
             await connection.flushed()
         finally:
             connection.tasks.pop(address.key, None)

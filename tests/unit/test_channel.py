@@ -201,3 +201,16 @@ async def test_a_stream_the_ingress_stopped_reading_is_aborted_by_the_channel_al
         await asyncio.wait_for(drop, 10)
     assert closed == [True] and not keep.done()  # the other stream goes on
     keep.cancel()
+
+
+async def test_the_engine_forgets_the_connections_of_ingress_replicas_gone():
+    sender, gone, live = ChannelSender(), ChannelReceiver(), ChannelReceiver()
+    inbox = await gone.open()
+    await sender.stream(inbox.address, _generation(1))
+    await gone.close()  # that ingress replica died
+    await _until(lambda: all(c.closed for c in sender._connections.values()))
+    inbox = await live.open()
+    await sender.stream(inbox.address, _generation(1))
+    assert [c.closed for c in sender._connections.values()] == [False]
+    sender.close()
+    await live.close()
