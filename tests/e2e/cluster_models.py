@@ -64,8 +64,10 @@ def _serve_config(http_port: int, a_dir: Path, b_dir: Path, with_b: bool) -> dic
 def _deploy(config: dict, path: Path, dashboard: str) -> None:
     path.write_text(yaml.safe_dump(config))
     serve_cli = str(Path(sys.executable).parent / "serve")
-    subprocess.run([serve_cli, "deploy", str(path), "--address", dashboard], check=True,
-                   capture_output=True, timeout=120)
+    done = subprocess.run([serve_cli, "deploy", str(path), "--address", dashboard],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode:
+        raise RuntimeError(f"serve deploy failed: {done.stderr[-3000:]}")
 
 
 def _wait(condition, what: str, timeout_s: float = 300) -> None:
@@ -179,6 +181,8 @@ def main() -> None:
     from gateway import serve_env
 
     serve_env.apply()
+    # The test session's own gateway, behind its HAProxy, runs beside this instance.
+    serve_env.separate_haproxy()
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors

@@ -53,14 +53,16 @@ async def _generate(ws, sid, prompt, **kwargs) -> list[dict]:
     return [item for _, item in (await _collect(ws, [sid]))[sid]]
 
 
-async def test_greedy_generate_matches_vllm_native(gateway_url, engine_handle, prompt_ids):
+async def test_greedy_generate_matches_vllm_native(gateway_url, engine_handle, prompt_ids,
+                                                  logprob_tolerance):
     native = await engine_handle.reference_greedy.remote(prompt_ids, 12)
     async with websockets.connect(_ws_url(gateway_url)) as ws:
         items = await _generate(ws, 1, prompt_ids, max_tokens=12)
     assert [i["token"] for i in items] == native.token_ids  # exactly once each
     assert [i["finish_reason"] for i in items] == [None] * 11 + ["length"]
     for item, logprob in zip(items, native.logprobs, strict=True):
-        assert item["logprob"] == pytest.approx(logprob, abs=1e-4)
+        # The same kernels, but not the same batch: bf16 is not batch-invariant (3e-4 seen).
+        assert item["logprob"] == pytest.approx(logprob, abs=logprob_tolerance)
         assert item["stream_id"] == 1 and str(item["token"]) in item["top_logprobs"]
 
 

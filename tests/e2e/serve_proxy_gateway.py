@@ -1,10 +1,9 @@
-"""Run as a program (``python -m tests.e2e.haproxy_gateway``) by ``test_haproxy_e2e.py``: the
-fastest single-model layout, ``serve_config.colocated.yaml`` behind Ray Serve's HAProxy
-ingress (``LLM_GATEWAY_INGRESS=haproxy``), in a Ray instance of its own (these settings are
-read when Serve starts, so the test session's instance cannot have them). It asks the gateway
-on every protocol through HAProxy's public port, drops a stream mid-way, and prints one
-``RESULT`` JSON line; the test compares the texts with vLLM's own output from the session's
-engine replica."""
+"""Run as a program (``python -m tests.e2e.serve_proxy_gateway``) by ``test_serve_proxy_e2e.py``:
+the layout with Serve's proxy actor on the public port instead of HAProxy
+(``LLM_GATEWAY_INGRESS=serve``), in a Ray instance of its own (the setting is read when Serve
+starts; the test session runs the default, HAProxy). It asks the gateway on every protocol
+through the proxy, drops a stream mid-way, and prints one ``RESULT`` JSON line; the test
+compares the texts with vLLM's own output from the session's engine replica."""
 
 from __future__ import annotations
 
@@ -84,7 +83,7 @@ def _asks(url: str, model: str) -> dict:
 
 
 def _disconnect(http: httpx.Client, model: str) -> dict:
-    """A stream dropped after its first event: the colocated engine request is aborted."""
+    """A stream dropped after its first event: the engine request is aborted."""
     def stats() -> dict:
         return http.get("/gateway/engines").json()[model]
 
@@ -107,7 +106,10 @@ def main() -> None:
     os.environ.pop("RAY_ADDRESS", None)
     from gateway import serve_env
 
-    os.environ[serve_env.INGRESS_VAR] = "haproxy"
+    # The test session's environment has its HAProxy settings: this instance runs without.
+    for key in (*serve_env.HAPROXY_ENV, "RAY_SERVE_HAPROXY_BINARY_PATH"):
+        os.environ.pop(key, None)
+    os.environ[serve_env.INGRESS_VAR] = "serve"
     serve_env.apply()
     import ray
     from ray import serve
@@ -126,11 +128,11 @@ def main() -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = GatewayConfig(models=[ModelConfig(name=model, colocated=True, num_cpus=0.5)],
+        config = GatewayConfig(models=[ModelConfig(name=model, num_cpus=0.5)],
                                ingress_num_cpus=0.1)
         serve.run(build_app(config), name="gateway", route_prefix="/")
         _wait(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
-              "the HAProxy gateway healthy", timeout_s=600)
+              "the gateway behind Serve's proxy healthy", timeout_s=600)
         result = {"asks": _asks(url, model), "listeners": _listeners(port),
                   "actors": sorted({a.class_name for a in list_actors(
                       filters=[("state", "=", "ALIVE")], limit=1000)}),

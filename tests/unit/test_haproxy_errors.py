@@ -1,0 +1,218 @@
+"""HAProxy's own answers in the protocol's shape: Serve's real template rendered by Serve's own
+``HAProxyApi``, shaped by ``llm-gateway-haproxy``'s rewrite, served by the real HAProxy binary
+(the one ``ray[serve]`` bundles). The oracle is the other layout: the body Serve's proxy gives
+for the same path and status (``gateway/proxy.py``, through the same ``ErrorShapes``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from gateway import haproxy_errors
+from gateway.haproxy_errors import OWN_MARK, real_binary, shape_config
+from gateway.shapes import DIED, RESTARTING, ErrorShapes
+
+SHAPES = ErrorShapes.of_every_protocol()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _DyingReplica:
+    """Answers Serve's health check (and ``GET /dying/warm``) on a kept-alive connection; closes the
+    connection on every other request before answering (a replica that died with the request
+    in flight: HAProxy's 502)."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _connection(conn):
+        with conn:
+            while conn.recv(65536).startswith((b"GET /-/healthz", b"GET /dying/warm")):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nsuccess")
+
+
+class _SlowReplica:
+    """Never answers; counts the requests whose connection HAProxy closed."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.closed = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def _connection(self, conn):
+        with conn:
+            if conn.recv(65536).startswith(b"GET /-/healthz"):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nsuccess")
+                return
+            conn.settimeout(30)
+            try:
+                while conn.recv(65536):  # the rest of the request; then b"" or a reset
+                    pass
+            except OSError:
+                pass
+            self.closed += 1
+
+
+def _render(directory: str, port: int, apps: dict[str, int]) -> str:
+    """Serve's own rendering of its HAProxy configuration for ``apps`` (route prefix -> port)."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    cfg = HAProxyConfig(socket_path=os.path.join(directory, "admin.sock"),
+                        enable_hap_optimization=False, stats_port=_free_port(),
+                        metrics_port=_free_port(), metrics_enabled=False,
+                        http_options=HTTPOptions(host="127.0.0.1", port=port))
+    backends = {prefix: BackendConfig(name=f"http-app{i}", path_prefix=prefix, app_name=f"app{i}",
+                                      servers=[ServerConfig(f"r{i}", "127.0.0.1", server_port)])
+                for i, (prefix, server_port) in enumerate(apps.items())}
+    path = os.path.join(directory, "haproxy.cfg")
+    HAProxyApi(cfg, backends, config_file_path=path)._generate_config_file_internal()
+    return path
+
+
+@pytest.fixture(scope="module")
+def haproxy_and_slow(tmp_path_factory):
+    """HAProxy started as Serve starts it, through the launcher, for: /gw (no replica up),
+    /dying (a replica that closes every request)."""
+    directory = str(tmp_path_factory.mktemp("haproxy"))
+    dying, slow, port = _DyingReplica(), _SlowReplica(), _free_port()
+    config = _render(directory, port, {"/gw": _free_port(), "/dying": dying.port,
+                                       "/slow": slow.port})
+    env = {**os.environ, haproxy_errors.BINARY_VAR: real_binary()}
+    launcher = [os.path.join(os.path.dirname(os.sys.executable), haproxy_errors.LAUNCHER)]
+    proc = subprocess.Popen([*launcher, "-db", "-f", config], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url + "/-/routes", timeout=1)
+            break
+        except httpx.TransportError:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.1)
+    yield url, slow
+    proc.terminate()
+    proc.wait(10)
+    dying.listener.close()
+    slow.listener.close()
+
+
+@pytest.fixture(scope="module")
+def haproxy(haproxy_and_slow) -> str:
+    return haproxy_and_slow[0]
+
+
+def _expected(path: str, status: int, message: str) -> tuple[int, str, bytes]:
+    response = SHAPES.response(path, status, message)
+    return response.status_code, response.headers["content-type"], bytes(response.body)
+
+
+@pytest.mark.parametrize("path", ["/gw/v1/completions", "/gw/v1/chat/completions", "/gw/generate",
+                                  "/gw/generate_stream", "/gw/v2/models/m/generate_stream",
+                                  "/gw/invocations", "/gw/v1/run", "/gw/v1/controllers",
+                                  "/gw/tokenize", "/gw/anything"])
+def test_no_replica_is_a_503_in_the_paths_shape_with_retry_after(haproxy, path):
+    got = httpx.post(haproxy + path, json={"inputs": "x"}, timeout=30)
+    assert (got.status_code, got.headers["content-type"], got.content) == _expected(
+        path, 503, RESTARTING)
+    assert got.headers["retry-after"] == "1" and OWN_MARK not in got.headers
+
+
+@pytest.mark.parametrize("path", ["/dying/v1/completions", "/dying/generate", "/dying/v1/run"])
+def test_a_replica_that_dies_before_answering_is_a_503_in_shape(haproxy, path):
+    got = httpx.post(haproxy + path, json={"prompt": "x"}, timeout=30)
+    assert (got.status_code, got.headers["content-type"], got.content) == _expected(
+        path, 503, DIED)
+    assert got.headers["retry-after"] == "1"
+    if got.headers["content-type"] == "application/json":
+        json.loads(got.content)
+
+
+def test_a_replica_that_dies_after_answering_on_a_kept_alive_connection_still_gets_a_503(haproxy):
+    # HAProxy closes the client's connection without a word when a replica closes a *reused*
+    # connection before answering; the launcher gives each request a connection of its own.
+    with httpx.Client(timeout=30) as first:
+        assert first.get(haproxy + "/dying/warm").status_code == 200
+    with httpx.Client(timeout=30) as second:
+        got = second.post(haproxy + "/dying/v1/completions", json={"prompt": "x"})
+    assert (got.status_code, got.content) == _expected("/dying/v1/completions", 503, DIED)[::2]
+
+
+def test_a_client_that_leaves_closes_its_replicas_connection_every_time(haproxy_and_slow):
+    # Serve's template spliced request bodies, and HAProxy then kept the replica's connection
+    # (its generation) open for a client that had left, 3 times in 6.
+    url, slow = haproxy_and_slow
+    for left in range(1, 7):
+        try:
+            got = httpx.post(url + "/slow/v1/completions", json={"prompt": "x"}, timeout=0.5)
+            raise AssertionError(got.text)
+        except httpx.TimeoutException:
+            pass
+        deadline = time.monotonic() + 10
+        while slow.closed < left and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert slow.closed == left
+
+
+def test_a_path_no_application_has_is_a_404_in_shape(haproxy):
+    got = httpx.post(haproxy + "/elsewhere/v1/completions", json={}, timeout=30)
+    assert (got.status_code, got.headers["content-type"], got.content) == _expected(
+        "/v1/completions", 404, haproxy_errors.NO_ROUTE)
+    assert got.json()["error"]["message"] == haproxy_errors.NO_ROUTE
+
+
+def test_serves_own_endpoints_are_left_as_they_are(haproxy):
+    # Serve's /-/routes and /-/healthz answer load balancers in Serve's own words (here: the
+    # route table a bare HAProxyApi never marks populated).
+    for path in ("/-/routes", "/-/healthz"):
+        got = httpx.get(haproxy + path, timeout=30)
+        assert got.status_code == 503 and got.headers["content-type"] == "text/plain", path
+        assert got.text == "Route table is not populated yet." and "retry-after" not in got.headers
+
+
+def test_a_configuration_without_serves_frontend_is_left_unchanged():
+    text = "global\n    maxconn 10\nfrontend other\n    bind :1\n"
+    assert shape_config(text, "/tables", SHAPES) == text
+
+
+def test_the_owner_rules_follow_the_proxys_choice_of_shape():
+    rules = haproxy_errors.owner_rules(["/", "/pipeline"], SHAPES)
+    # the whole path first, then below each route prefix, then any suffix; a default last
+    assert rules[0].endswith("if { path / } !{ var(txn.llm_gateway_protocol) -m found }")
+    assert any("{ path_beg /pipeline/v1/controllers/ }" in rule for rule in rules)
+    assert rules.index(next(r for r in rules if "path_beg /pipeline/v1/controllers/" in r)) < \
+        rules.index(next(r for r in rules if "path_beg /pipeline/v1/ " in r))
+    assert rules[-1].startswith(f"http-request set-var(txn.llm_gateway_protocol) "
+                                f"str({SHAPES.owners[0].name}) if !")
