@@ -2,7 +2,7 @@
 
 Behind Ray Serve's HAProxy ingress (``LLM_GATEWAY_INGRESS=haproxy``) some answers never come
 from the gateway: no ingress replica is up (HAProxy's 503), one died before answering (502),
-HAProxy's own timeouts (504, 408), a path no application is routed at (404). Serve renders
+HAProxy's own timeouts (504, 408). Serve renders
 HAProxy's configuration from a fixed template that answers every one of those with the same
 plain-text ``500 Internal Server Error``, which no protocol client parses.
 
@@ -40,7 +40,8 @@ LAUNCHER = "llm-gateway-haproxy"
 PROTOCOL_VAR = "txn.llm_gateway_protocol"
 # Marks the answers HAProxy wrote, so the response rules below touch no replica's answer.
 OWN_MARK = "x-llm-gateway-own"
-NO_ROUTE = "No application is routed at this path."
+# Where Serve's proxy listens beside HAProxy on every node (Ray's own default, 8500).
+FALLBACK_PORT_VAR = "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"
 
 
 class OwnError(msgspec.Struct, frozen=True):
@@ -53,7 +54,6 @@ class OwnError(msgspec.Struct, frozen=True):
 
 
 OWN_ERRORS: tuple[OwnError, ...] = (
-    OwnError(404, 404, NO_ROUTE),
     OwnError(408, 408, TIMED_OUT),
     OwnError(500, 500, "The gateway failed to answer this request."),
     OwnError(502, 503, DIED, retry_after=True),
@@ -158,6 +158,11 @@ _SECTION = re.compile(r"^\S")
 _ROUTE_ACL = re.compile(r"^\s*acl is_\S+ path_beg (\S+)\s*$")
 _SERVE_ERRORFILE = re.compile(r"^\s*errorfile 50[234] ")
 _NOT_FOUND = re.compile(r"^\s*http-request return status 404 ")
+# Serve's proxy on this node: it knows every application's routes, also while one is being
+# redeployed, when Serve leaves the application out of HAProxy's routes until its new version
+# is built (requests for it got HAProxy's 404, 9 in 750 during a `serve deploy` under load);
+# for a path no application has, it answers the 404 itself, in shape (gateway/proxy.py).
+_TO_SERVES_PROXY = "server serve_proxy 127.0.0.1:{port}"
 
 
 def _sections(text: str) -> list[list[str]]:
@@ -170,10 +175,11 @@ def _sections(text: str) -> list[list[str]]:
     return sections
 
 
-def shape_config(text: str, tables: str, shapes: ErrorShapes) -> str:
+def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int = 8500) -> str:
     """Serve's rendered configuration with HAProxy's own errors in the protocol's shape (module
-    docstring); map files are read from ``tables``. A configuration without Serve's public
-    frontend (another template) is returned as it is."""
+    docstring); map files are read from ``tables``; paths of no application go to Serve's proxy
+    on ``fallback_port``. A configuration without Serve's public frontend (another template) is
+    returned as it is."""
     sections = _sections(text)
     heads = [section[0].split() if section else [] for section in sections]
     if ["frontend", "http_frontend"] not in heads:
@@ -193,9 +199,7 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes) -> str:
             added = owner_rules(prefixes, shapes) + _response_rules(tables)
             section = [*section[:at], *(indent + r for r in added), *section[at:]]
         elif head == ["backend", "default_backend"]:
-            body = f"%[var({PROTOCOL_VAR}),map({tables}/404.map)]"
-            section = [indent + f'http-request return status 404 content-type application/json '
-                       f'lf-string "{body}" hdr {OWN_MARK} 404'
+            section = [indent + _TO_SERVES_PROXY.format(port=fallback_port)
                        if _NOT_FOUND.match(line) else line for line in section]
         out.extend(section)
     return "\n".join(out) + "\n"
@@ -226,7 +230,8 @@ def _shaped_copy(config_path: str) -> str:
     tables = os.path.join(directory, "llm-gateway-errors")
     write_tables(tables, shapes)
     with open(config_path) as rendered:
-        text = shape_config(rendered.read(), tables, shapes)
+        text = shape_config(rendered.read(), tables, shapes,
+                            int(os.environ.get(FALLBACK_PORT_VAR) or 8500))
     shaped = os.path.join(directory, "llm-gateway-" + os.path.basename(config_path))
     _write_if_changed(shaped, text)
     return shaped

@@ -85,11 +85,11 @@ def apply(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, st
 
 
 def separate_haproxy(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
-    """HAProxy files in a directory of their own and free stats / metrics ports, in ``env``
+    """HAProxy files in a directory of their own and free ports, in ``env``
     (default ``os.environ``), for a Ray instance beside another one on the same machine (the
     tests' own clusters, an experiment beside a running gateway): Serve's defaults are fixed
-    paths (``/tmp/haproxy-serve``) and ports (8404, 9101), and a second HAProxy on them fails
-    to start. One Ray instance per machine needs none of this."""
+    paths (``/tmp/haproxy-serve``) and ports (8404, 9101; its proxy beside HAProxy: 8500), and a
+    second HAProxy on them fails to start. One Ray instance per machine needs none of this."""
     import socket
     import tempfile
 
@@ -97,7 +97,7 @@ def separate_haproxy(env: MutableMapping[str, str] | None = None) -> MutableMapp
     # Short: Serve adds the node id (56 characters), and HAProxy's socket paths stop at 97.
     directory = tempfile.mkdtemp(prefix="hap-", dir="/tmp")
     ports = []
-    for _ in range(2):
+    for _ in range(3):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             ports.append(str(probe.getsockname()[1]))
@@ -107,7 +107,8 @@ def separate_haproxy(env: MutableMapping[str, str] | None = None) -> MutableMapp
                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(directory, "server-state"),
                 "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(directory, "metrics.sock"),
                 "RAY_SERVE_HAPROXY_STATS_PORT": ports[0],
-                "RAY_SERVE_HAPROXY_METRICS_PORT": ports[1]})
+                "RAY_SERVE_HAPROXY_METRICS_PORT": ports[1],
+                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": ports[2]})
     return env
 
 

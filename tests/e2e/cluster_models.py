@@ -281,14 +281,18 @@ def main() -> None:
         before = a_actors()
         ingress_before = _ingress(list_actors)
         seen: list[int | str] = []
+        odd: list[str] = []  # the first answers that were not a 200
         asking = threading.Event()
 
         def ask_a() -> None:
             with httpx.Client(base_url=url, timeout=60) as c:
                 while not asking.is_set():
                     try:
-                        seen.append(c.post("/v1/completions", json={
-                            "model": A, "prompt": PROMPT, "max_tokens": 4}).status_code)
+                        r = c.post("/v1/completions", json={"model": A, "prompt": PROMPT,
+                                                            "max_tokens": 4})
+                        seen.append(r.status_code)
+                        if r.status_code != 200 and len(odd) < 3:
+                            odd.append(r.text[:300])
                     except httpx.HTTPError as exc:
                         seen.append(type(exc).__name__)
 
@@ -316,7 +320,7 @@ def main() -> None:
         result["redeploy"] = {
             "a_actors_before": before, "a_actors_after": after,
             "ingress_before": ingress_before, "ingress_after": ingress_after,
-            "a_statuses": {str(s): seen.count(s) for s in set(seen)},
+            "a_statuses": {str(s): seen.count(s) for s in set(seen)}, "a_odd": odd,
             "b_after": [gone.status_code, gone.json().get("error", {}).get("type")],
         }
     finally:

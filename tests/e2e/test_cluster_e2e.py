@@ -84,7 +84,7 @@ def test_removing_a_model_costs_the_other_nothing(cluster_run):
     redeploy = cluster_run["redeploy"]
     assert redeploy["a_actors_before"] and redeploy["a_actors_before"] == redeploy[
         "a_actors_after"]
-    assert set(redeploy["a_statuses"]) == {"200"}, redeploy["a_statuses"]
+    assert set(redeploy["a_statuses"]) == {"200"}, (redeploy["a_statuses"], redeploy["a_odd"])
     # The gateway itself was redeployed (its args changed): a new ingress replica.
     assert len(redeploy["ingress_after"]) == 1
     assert redeploy["ingress_before"] != redeploy["ingress_after"]

@@ -79,6 +79,7 @@ def test_a_second_instance_gets_haproxy_files_and_ports_of_its_own():
     # Serve adds the node id (56 characters) below it; HAProxy refuses socket paths over 97.
     assert len(os.path.dirname(socket_path)) + 1 + 56 + 1 + len("metrics.sock") <= 97
     assert os.path.isdir(os.path.dirname(socket_path))
-    ports = {env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"]}
-    assert len(ports) == 2 and not ports & {"8404", "9101"}
+    ports = {env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"],
+             env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"]}
+    assert len(ports) == 3 and not ports & {"8404", "9101", "8500"}
     assert serve_env.separate_haproxy({})["RAY_SERVE_HAPROXY_SOCKET_PATH"] != socket_path
