@@ -29,38 +29,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _DyingReplica:
-    """Answers Serve's health check (and ``GET /dying/warm``) on a kept-alive connection; closes the
-    connection on every other request before answering (a replica that died with the request
-    in flight: HAProxy's 502)."""
+HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nsuccess"
+
+
+class _Replica:
+    """A stand-in for an ingress replica's HTTP server: each connection on a thread."""
 
     def __init__(self):
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _connection(conn):
-        with conn:
-            while conn.recv(65536).startswith((b"GET /-/healthz", b"GET /dying/warm")):
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nsuccess")
-
-
-class _SlowReplica:
-    """Never answers; counts the requests whose connection HAProxy closed."""
-
-    def __init__(self):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.closed = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
@@ -72,9 +49,31 @@ class _SlowReplica:
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
 
     def _connection(self, conn):
+        raise NotImplementedError
+
+
+class _DyingReplica(_Replica):
+    """Answers Serve's health check (and ``GET /dying/warm``) on a kept-alive connection;
+    closes the connection on every other request before answering (a replica that died with
+    the request in flight: HAProxy's 502)."""
+
+    def _connection(self, conn):
+        with conn:
+            while conn.recv(65536).startswith((b"GET /-/healthz", b"GET /dying/warm")):
+                conn.sendall(HEALTHY)
+
+
+class _SlowReplica(_Replica):
+    """Never answers; counts the requests whose connection HAProxy closed."""
+
+    def __init__(self):
+        self.closed = 0
+        super().__init__()
+
+    def _connection(self, conn):
         with conn:
             if conn.recv(65536).startswith(b"GET /-/healthz"):
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nsuccess")
+                conn.sendall(HEALTHY)
                 return
             conn.settimeout(30)
             try:
