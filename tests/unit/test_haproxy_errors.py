@@ -5,6 +5,7 @@ for the same path and status (``gateway/proxy.py``, through the same ``ErrorShap
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -58,7 +59,7 @@ class _DyingReplica(_Replica):
     the request in flight: HAProxy's 502)."""
 
     def _connection(self, conn):
-        with conn:
+        with conn, contextlib.suppress(OSError):  # HAProxy may reset a health check's
             while conn.recv(65536).startswith((b"GET /-/healthz", b"GET /dying/warm")):
                 conn.sendall(HEALTHY)
 
