@@ -30,6 +30,7 @@ import sys
 
 import msgspec
 
+from gateway.proxy import FULL, max_requests_from_env
 from gateway.shapes import DIED, RESTARTING, TIMED_OUT, ErrorShapes
 
 __all__ = ["OWN_ERRORS", "OwnError", "main", "owner_rules", "real_binary", "shape_config",
@@ -53,6 +54,7 @@ class OwnError(msgspec.Struct, frozen=True):
     retry_after: bool = False
 
 
+AT_CAPACITY = "at-capacity"  # the map of the bound below, not an HAProxy error code
 OWN_ERRORS: tuple[OwnError, ...] = (
     OwnError(408, 408, TIMED_OUT),
     OwnError(500, 500, "The gateway failed to answer this request."),
@@ -67,7 +69,8 @@ def write_tables(directory: str, shapes: ErrorShapes) -> None:
     ``content-type.map`` (protocol -> media type) into ``directory``."""
     os.makedirs(directory, exist_ok=True)
     types: dict[str, str] = {}
-    for error in OWN_ERRORS:
+    full = OwnError(503, 503, FULL, retry_after=True)
+    for name, error in [*((str(e.raised), e) for e in OWN_ERRORS), (AT_CAPACITY, full)]:
         lines = []
         for spec in shapes.owners:
             assert spec.route_error is not None  # owners all have one
@@ -77,7 +80,7 @@ def write_tables(directory: str, shapes: ErrorShapes) -> None:
                 raise ValueError(f"{spec.name}'s error body spans lines: {body!r}")
             lines.append(f"{spec.name} {body}\n")
             types[spec.name] = response.headers["content-type"]
-        _write_if_changed(os.path.join(directory, f"{error.raised}.map"), "".join(lines))
+        _write_if_changed(os.path.join(directory, f"{name}.map"), "".join(lines))
     _write_if_changed(os.path.join(directory, "content-type.map"),
                       "".join(f"{name} {kind}\n" for name, kind in types.items()))
 
@@ -131,6 +134,19 @@ def _error_rules(tables: str) -> list[str]:
     return rules
 
 
+def _bound_rules(backends: dict[str, int], tables: str) -> list[str]:
+    """Generations (POSTs) beyond what an application's ingress replicas admit get a 503 from
+    HAProxy at once, as Serve's proxy's gate gives them (``gateway/proxy.py``): under a burst
+    of 2,000 the ingress itself spent 1.2 ms of its event loop on each refusal, and probes
+    queued behind them for 3-4 s. ``backends``: backend -> ingress replicas in it."""
+    per_replica = max_requests_from_env()
+    body = f"%[var({PROTOCOL_VAR}),map({tables}/{AT_CAPACITY}.map)]"
+    return [f'http-request return status 503 content-type application/json lf-string "{body}" '
+            f'hdr {OWN_MARK} 503 hdr Retry-After 1 if METH_POST is_{name} '
+            f'{{ be_conn({name}) ge {per_replica * max(replicas, 1)} }}'
+            for name, replicas in backends.items()]
+
+
 def _response_rules(tables: str) -> list[str]:
     """For the public frontend: the owner's media type and the client's status on HAProxy's
     own answers (``http-error`` fixes both per code, not per path), then the mark removed."""
@@ -156,6 +172,7 @@ _ONE_REQUEST_PER_CONNECTION = "option http-server-close"
 _SPLICED_REQUESTS = re.compile(r"^\s*option splice-request\s*$")
 _SECTION = re.compile(r"^\S")
 _ROUTE_ACL = re.compile(r"^\s*acl is_\S+ path_beg (\S+)\s*$")
+_REPLICA = re.compile(r"^\s*server \S+ \S+ check(?!.*\bbackup\b)")
 _SERVE_ERRORFILE = re.compile(r"^\s*errorfile 50[234] ")
 _NOT_FOUND = re.compile(r"^\s*http-request return status 404 ")
 # Serve's proxy on this node: it knows every application's routes, also while one is being
@@ -185,6 +202,9 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
     if ["frontend", "http_frontend"] not in heads:
         return text
     prefixes = [m.group(1) for line in text.splitlines() if (m := _ROUTE_ACL.match(line))]
+    replicas = {head[1]: sum(1 for line in section if _REPLICA.match(line))
+                for head, section in zip(heads, sections, strict=True)
+                if head[:1] == ["backend"] and head[1] != "default_backend"}
     indent = "    "
     out: list[str] = []
     for head, section in zip(heads, sections, strict=True):
@@ -196,8 +216,11 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
         elif head == ["frontend", "http_frontend"]:
             binds = [i for i, line in enumerate(section) if line.split()[:1] == ["bind"]]
             at = binds[-1] + 1 if binds else 1
-            added = owner_rules(prefixes, shapes) + _response_rules(tables)
-            section = [*section[:at], *(indent + r for r in added), *section[at:]]
+            added = [*owner_rules(prefixes, shapes), *_response_rules(tables)]
+            routing = [i for i, line in enumerate(section) if line.split()[:1] == ["use_backend"]]
+            cut = routing[0] if routing else len(section)  # the bounds use Serve's path ACLs
+            section = [*section[:at], *(indent + r for r in added), *section[at:cut],
+                       *(indent + r for r in _bound_rules(replicas, tables)), *section[cut:]]
         elif head == ["backend", "default_backend"]:
             section = [indent + _TO_SERVES_PROXY.format(port=fallback_port)
                        if _NOT_FOUND.match(line) else line for line in section]

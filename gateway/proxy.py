@@ -34,7 +34,8 @@ from gateway.ingress_watch import IngressWatch
 from gateway.limits import CAPACITY_HEADER
 from gateway.shapes import DIED, RESTARTING, TIMED_OUT, ErrorShapes
 
-__all__ = ["MAX_REQUESTS_VAR", "ProxyErrorShape", "ProxyGate", "middlewares"]
+__all__ = ["FULL", "MAX_REQUESTS_VAR", "ProxyErrorShape", "ProxyGate", "max_requests_from_env",
+           "middlewares"]
 
 log = logging.getLogger("llm_gateway.proxy")
 
@@ -50,7 +51,7 @@ _MESSAGES = {
     429: "The gateway is overloaded; retry later.",
     503: "The gateway is unavailable or overloaded; retry later.",
 }
-_FULL = "The gateway is at capacity; retry later."
+FULL = "The gateway is at capacity; retry later."
 _SLACK = 8
 _STARTS = frozenset({"http.response.start", "websocket.accept", "websocket.close"})
 
@@ -78,7 +79,7 @@ def _is_probe(path: str, prefix: str) -> bool:
     return path[len(prefix.rstrip("/")):] in _PROBES
 
 
-def _max_requests_from_env() -> int:
+def max_requests_from_env() -> int:
     raw = os.environ.get(MAX_REQUESTS_VAR) or ""
     if raw.isdigit() and int(raw) > 0:
         return int(raw)
@@ -215,7 +216,7 @@ class ProxyGate:
         self.app = app
         self.shapes = shapes or ErrorShapes.of_every_protocol()
         self.watch = watch or IngressWatch()
-        self.max_requests = max_requests or _max_requests_from_env()
+        self.max_requests = max_requests or max_requests_from_env()
         self.inflight = 0
         self.probes = ProbeCache()
         self.posts: dict[str, int] = {}  # POSTs in flight per application
@@ -234,7 +235,7 @@ class ProxyGate:
         generation = app is not None and scope["type"] == "http" and scope["method"] == "POST"
         if self.inflight >= self.max_requests or (
                 generation and self.posts.get(app, 0) >= self._generation_bound(app)):
-            return await self._refuse(scope, _FULL, receive, send)
+            return await self._refuse(scope, FULL, receive, send)
         self.inflight += 1
         if generation:
             self.posts[app] = self.posts.get(app, 0) + 1
