@@ -123,11 +123,16 @@ def owner_rules(route_prefixes: list[str], shapes: ErrorShapes) -> list[str]:
     return rules
 
 
+def _mapped(tables: str, table: str) -> str:
+    """A log-format expression: the request's protocol looked up in ``<tables>/<table>.map``."""
+    return f"%[var({PROTOCOL_VAR}),map({tables}/{table}.map)]"
+
+
 def _error_rules(tables: str) -> list[str]:
     """``http-error`` directives for the ``defaults`` section: every proxy inherits them."""
     rules = []
     for error in OWN_ERRORS:
-        body = f"%[var({PROTOCOL_VAR}),map({tables}/{error.raised}.map)]"
+        body = _mapped(tables, str(error.raised))
         retry = " hdr Retry-After 1" if error.retry_after else ""
         rules.append(f'http-error status {error.raised} content-type application/json '
                      f'lf-string "{body}" hdr {OWN_MARK} {error.status}{retry}')
@@ -140,7 +145,7 @@ def _bound_rules(backends: dict[str, int], tables: str) -> list[str]:
     of 2,000 the ingress itself spent 1.2 ms of its event loop on each refusal, and probes
     queued behind them for 3-4 s. ``backends``: backend -> ingress replicas in it."""
     per_replica = max_requests_from_env()
-    body = f"%[var({PROTOCOL_VAR}),map({tables}/{AT_CAPACITY}.map)]"
+    body = _mapped(tables, AT_CAPACITY)
     return [f'http-request return status 503 content-type application/json lf-string "{body}" '
             f'hdr {OWN_MARK} 503 hdr Retry-After 1 if METH_POST is_{name} '
             f'{{ be_conn({name}) ge {per_replica * max(replicas, 1)} }}'
@@ -152,7 +157,7 @@ def _response_rules(tables: str) -> list[str]:
     own answers (``http-error`` fixes both per code, not per path), then the mark removed."""
     own = f"{{ res.hdr({OWN_MARK}) -m found }}"
     rules = [f'http-after-response set-header Content-Type '
-             f'"%[var({PROTOCOL_VAR}),map({tables}/content-type.map)]" if {own}']
+             f'"{_mapped(tables, "content-type")}" if {own}']
     for error in OWN_ERRORS:
         if error.status != error.raised:
             rules.append(f"http-after-response set-status {error.status} if "
