@@ -191,7 +191,7 @@ class ServeEngineClient:
                 yield self._no_replica().event()
                 return
             except TimeoutError:
-                log.error("engine for %s sent nothing for %.0f s; ending %s", self.model,
+                log.error("engine for %s sent nothing for %g s; ending %s", self.model,
                           self.stall_timeout_s, request.request_id)
                 self._mark_suspect()
                 yield ErrorEvent(kind="engine", message=(

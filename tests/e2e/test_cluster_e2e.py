@@ -82,8 +82,10 @@ def test_the_autoscaled_model_goes_up_under_a_burst_and_back_down(cluster_run, r
 
 def test_removing_a_model_costs_the_other_nothing(cluster_run):
     redeploy = cluster_run["redeploy"]
-    assert redeploy["a_actors_before"] and redeploy["a_actors_before"] == redeploy[
-        "a_actors_after"]
+    # Model A's replica and stage actor live through the redeploy (none restarted). The client
+    # asking A meanwhile may make A's autoscaler add a replica, which is not a cost of removing B.
+    assert redeploy["a_actors_before"] and set(redeploy["a_actors_before"]) <= set(
+        redeploy["a_actors_after"])
     assert set(redeploy["a_statuses"]) == {"200"}, (redeploy["a_statuses"], redeploy["a_odd"])
     # The gateway itself was redeployed (its args changed): a new ingress replica.
     assert len(redeploy["ingress_after"]) == 1

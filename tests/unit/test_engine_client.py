@@ -342,7 +342,8 @@ async def test_over_the_channel_a_client_that_leaves_aborts_the_engine_request(c
 
 async def test_over_the_channel_a_stuck_replica_ends_the_stream(channel_client):
     client, handle = channel_client
-    client.stall_timeout_s = 0.2
+    # Long enough for the first token to cross a real socket on a loaded CI box (0.2 s was not).
+    client.stall_timeout_s = 1.0
     handle.plans.append(_streams([TOKEN], hang=True))
     events = await _events(client)
     assert events[0] == TOKEN and "stopped responding" in events[-1].message
