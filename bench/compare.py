@@ -188,6 +188,27 @@ def _serve_gateway(model: str, model_dir: str, overrides: dict,
                             stdout=subprocess.DEVNULL)
 
 
+def _serve_gateway_apps(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
+    """``serve_config.cluster.yaml``'s layout on this box: each model its own Serve application
+    (``build_engine_app``), the gateway application naming them. Two models, the measured one
+    and a second copy of it that idles: what serving several models costs the one in use."""
+    models = [{"name": name, "source": model_dir, "engine_args": overrides}
+              for name in (model, f"{model}-second")]
+    apps = [{"name": f"model-{i}", "route_prefix": None,
+             "import_path": "gateway.app:build_engine_app", "args": entry}
+            for i, entry in enumerate(models)]
+    apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
+                 "args": {"models": [{**entry, "app": f"model-{i}"}
+                                     for i, entry in enumerate(models)]}})
+    config = {"proxy_location": "EveryNode",
+              "http_options": {"host": "127.0.0.1", "port": PORTS["gateway"]},
+              "applications": apps}
+    path = Path(tempfile.mkdtemp()) / "bench_serve_apps.json"
+    path.write_text(json.dumps(config))
+    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT, env=_ray_env(),
+                            start_new_session=True, stdout=subprocess.DEVNULL)
+
+
 def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
     config = {
         "proxy_location": "EveryNode",
@@ -224,6 +245,8 @@ _HAPROXY = functools.partial(_serve_gateway, ingress="haproxy")
 STARTERS = {"bare": _serve_bare, "serve-llm": _serve_llm,
             # The README's default: engines in their own deployments, HAProxy on the port.
             "gateway": _serve_gateway,
+            # Two models, each its own application (serve_config.cluster.yaml's layout).
+            "gateway-two-apps": _serve_gateway_apps,
             # The same with Serve's proxy actor on the public port (LLM_GATEWAY_INGRESS=serve).
             "gateway-serve-proxy": _SERVE_PROXY,
             # The engine inside the ingress replica (ModelConfig.colocated): no hop between
@@ -307,7 +330,10 @@ def measure(args) -> list[dict]:
                         before = cputime.snapshot(proc.pid)
                         result = _bench(PORTS[target], model, model_dir, conc, prompts,
                                         args.backend, args.client)
-                        cpu = cputime.spent(before, cputime.snapshot(proc.pid))
+                        after = cputime.snapshot(proc.pid)
+                        cpu = cputime.spent(before, after)
+                        cpu["cpu_s_by_process"] = cputime.spent_by_role(
+                            before, after, cputime.labels(proc.pid))
                         row = {"model": model, "target": target, "round": rnd,
                                "concurrency": conc, "prompts": prompts, "client": args.client,
                                **cpu, **idle,
@@ -317,7 +343,7 @@ def measure(args) -> list[dict]:
                         print(json.dumps({k: row[k] for k in (
                             "model", "target", "round", "concurrency", "output_throughput",
                             "median_ttft_ms", "median_tpot_ms", "other_cpu_s", "engine_cpu_s",
-                            "total_output_tokens")}), flush=True)
+                            "total_output_tokens", "cpu_s_by_process")}), flush=True)
                 finally:
                     tree = cputime.snapshot(proc.pid)
                     _stop(proc)

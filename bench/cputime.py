@@ -12,6 +12,9 @@ API server process included, is the serving stack.
 
 from __future__ import annotations
 
+import os
+import re
+
 import psutil
 
 ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
@@ -55,6 +58,39 @@ def spent(before: dict[int, tuple[bool, float]],
         else:
             other += delta
     return {"engine_cpu_s": round(engine, 3), "other_cpu_s": round(other, 3)}
+
+
+def _label(proc: psutil.Process) -> str:
+    """A process's role in a short name: its title as setproctitle left it (Ray names a replica
+    ``ray::ServeReplica:<app>:<deployment>``), else its program and script without paths."""
+    try:
+        words = proc.cmdline() or [proc.name()]
+    except psutil.Error:
+        return "?"
+    if words[0].startswith(("ray::", "VLLM::")):
+        return re.sub(r"\s.*", "", words[0])
+    shown = [os.path.basename(w) for w in words[:3] if not w.startswith("-")]
+    return " ".join(shown)[:60] or "?"
+
+
+def labels(root_pid: int) -> dict[int, str]:
+    """``{pid: role}`` for the tree under ``root_pid`` (``_label``)."""
+    try:
+        root = psutil.Process(root_pid)
+        return {p.pid: _label(p) for p in (root, *root.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def spent_by_role(before: dict[int, tuple[bool, float]], after: dict[int, tuple[bool, float]],
+                  roles: dict[int, str]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots per role (``labels``), largest first: where
+    the serving stack's share goes."""
+    out: dict[str, float] = {}
+    for pid, (is_engine, cpu) in after.items():
+        role = roles.get(pid, "?")
+        out[role] = out.get(role, 0.0) + cpu - before.get(pid, (is_engine, 0.0))[1]
+    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 def kill_leftovers(tree: dict[int, tuple[bool, float]]) -> None:

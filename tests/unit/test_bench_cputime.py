@@ -60,3 +60,17 @@ def test_a_process_gone_from_the_tree_yields_nothing():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     assert cputime.snapshot(proc.pid) == {}
+
+
+def test_cpu_is_told_apart_by_the_role_each_process_title_names(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", BURN, "ray::ServeReplica:gateway:Ingress x",
+                              str(tmp_path / "ingress")])
+    try:
+        _wait_for(tmp_path / "ingress")
+        time.sleep(0.8)
+        roles = cputime.labels(child.pid)
+        by_role = cputime.spent_by_role({}, cputime.snapshot(child.pid), roles)
+    finally:
+        child.kill()
+    assert roles == {child.pid: "ray::ServeReplica:gateway:Ingress"}
+    assert 0.35 <= by_role["ray::ServeReplica:gateway:Ingress"] < 1.5, by_role

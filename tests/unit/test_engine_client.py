@@ -358,3 +358,28 @@ async def test_an_engine_that_cannot_reach_the_channel_falls_back_to_ray(channel
     assert await _events(client) == [TOKEN, FINAL]
     assert await _events(client) == [FINAL]  # and from then on
     assert len(handle.calls) == 1 and len(handle.sent) == 3
+
+
+async def test_the_monitor_asks_serve_only_while_no_stream_delivers():
+    handle, asked = _Handle(), []
+
+    class _Monitored(ServeEngineClient):
+        def _running_replicas(self) -> int:  # what serve.status() would say
+            asked.append(time.monotonic())
+            return 1
+
+    client = _Monitored(handle, "m", monitor_interval_s=0.3)
+    assert await client.available()  # starts the monitor
+    while not asked:
+        await asyncio.sleep(0.01)
+    # Streams completing back to back: Serve is not asked (one tick may see the last reading
+    # old if this loop is starved on a loaded box).
+    start = time.monotonic()
+    while time.monotonic() - start < 1.5:
+        handle.responses.append(_Response([encode_events([FINAL])]))
+        assert await _events(client) == [FINAL]
+        await asyncio.sleep(0.01)
+    busy = len(asked) - 1
+    await asyncio.sleep(1.0)  # idle: asked again, every tick
+    assert busy <= 1 and len(asked) - 1 - busy >= 2, asked
+    client._monitor.cancel()
