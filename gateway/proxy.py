@@ -56,8 +56,11 @@ _SLACK = 8
 _STARTS = frozenset({"http.response.start", "websocket.accept", "websocket.close"})
 
 
+_CLIENT_GONE = 499  # Serve's status for a client that left: nobody reads an answer
+
+
 def _plain_error(message: dict) -> bool:
-    if message["status"] < 400:
+    if message["status"] < 400 or message["status"] == _CLIENT_GONE:
         return False
     headers = {k.lower(): v for k, v in message.get("headers") or []}
     if b"x-gateway-shaped" in headers:  # a protocol's own plain-text error (AICI's APIError)

@@ -30,8 +30,17 @@ class OpenAIError(ProtocolError):
         return error_response(self)
 
 
+def _phrase(status: int) -> str:
+    """The status's reason phrase; "error" for a code HTTP does not name (Serve's 499, a
+    client that went away)."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "error"
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    error_type = _TYPES.get(status) or HTTPStatus(status).phrase
+    error_type = _TYPES.get(status) or _phrase(status)
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 

@@ -141,3 +141,18 @@ def test_in_serves_stack_the_error_shaping_is_outermost():
 
     app = _apply_middlewares(_silent, middlewares())
     assert isinstance(app, ProxyErrorShape) and isinstance(app.app, ProxyGate)
+
+
+async def test_serves_client_gone_status_passes_without_shaping():
+    # Serve's direct ingress answers 499 once the client has left (CI logged a ValueError from
+    # shaping it: 499 is no HTTPStatus); nobody reads it, so it is passed on as it is.
+    async with _client(_plain(499, "")) as c:
+        r = await c.post("/v1/completions", json={})
+    assert r.status_code == 499
+
+
+def test_an_openai_error_body_for_a_status_http_does_not_name():
+    from protocols.openai.errors import error_body
+
+    assert error_body(499, "gone")["error"] == {"message": "gone", "type": "error",
+                                                "param": None, "code": 499}
