@@ -157,7 +157,8 @@ class OutputOptions(_Frozen, kw_only=True):
 
 
 class ControllerSpec(_Frozen, kw_only=True):
-    """An AICI-style controller attached to the request (see shared/specs/aici.md)."""
+    """An AICI-style controller attached to the request (``docs/protocols/aici.md``,
+    ``docs/controllers.md``)."""
 
     module: str
     arg: str = ""

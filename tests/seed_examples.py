@@ -1,4 +1,4 @@
-"""Requests copied verbatim from the protocol seeds (shared/seeds), shared by unit and e2e tests."""
+"""Requests exactly as the protocols' own documents give them, shared by unit and e2e tests."""
 
 MINDIE_SEED_EXAMPLE = {  # mindie-v2-generate-stream.txt, single-modality request example
     "id": "a123",

@@ -1,7 +1,7 @@
 """``declctrl``: AICI's declarative controller, for programs in the JSON shape AICI's Python
 client (``pyaici.ast``) emits: ``{"steps": [{"Fixed": ...}, {"Gen": ...}, ...]}``.
 
-Written from AICI's documented behaviour (shared/specs/aici.md; microsoft/aici's declctrl and
+Written from AICI's documented behaviour (``docs/protocols/aici.md``; microsoft/aici's declctrl and
 its test-suite), on this runtime's three phases:
 
 - ``Fixed`` (``text`` expression, ``label``, ``following``, ``stmts``): its text, tokenized

@@ -3,10 +3,10 @@
 ``ControllerRuntime.handle_main`` answers the main channel (``ping``, ``tokens``,
 ``post_pre_process``, ``mid_process``) and ``handle_side`` the side channel (``instantiate``,
 ``set_tags``, ``get_tags``, ``mk_module``) exactly in the seed's JSON shapes
-(``../shared/seeds/aicirt-protocol.txt``); ``engines/controllers/shm.py`` carries them. The
+(``docs/protocols/controller-runtime.md``); ``engines/controllers/shm.py`` carries them. The
 runtime knows nothing of Ray or vLLM, so it is tested directly and over shared memory.
 
-Time bounds (aicirt's, ``../shared/specs/aici.md`` §5): every controller call runs on a worker
+Time bounds (aicirt's, ``docs/protocols/aici.md``, "Time bounds"): every controller call runs on a worker
 thread and may use ``Limits.step_s`` of CPU time, within ``Limits.wall_factor`` times that of
 wall time (``ControllerRuntime._run`` says why CPU time). A ``mid_process`` that overruns
 leaves its row all-allowed (a no-op step, logged), and ``Limits.max_timeout_steps`` of those in a

@@ -1,7 +1,7 @@
 """The aicirt transport: JSON messages and logit biases in POSIX shared memory.
 
-Wire format, as the seed describes it (``../shared/seeds/aicirt-protocol.txt``,
-``../shared/specs/aici.md`` §1 and §4), so either end can be a conforming external program:
+Wire format (``docs/protocols/controller-runtime.md``, "Shared-memory transport"), as aicirt
+defines it, so either end can be a conforming external program:
 
 - A *slot* carries one message at a time in one direction: shared-memory object
   ``<name>-shm`` holding a ``u32`` little-endian byte length and that many bytes of UTF-8 JSON

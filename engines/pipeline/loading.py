@@ -1,10 +1,11 @@
 """Build a slice of an HF decoder-only model from its checkpoint, reading only that slice.
 
-The sliced-config approach (shared/specs/pipeline-stages.md §2): a copy of the text config with
-``num_hidden_layers = end - start`` (and ``layer_types[start:end]``) builds the base model on the
-``meta`` device; only the tensors of layers ``[start, end)`` are read from the safetensors files
-and renamed to local indices. The model's own forward then builds masks, rotary embeddings and
-per-layer-type caches correctly, and a stage's cache is compact (its layer 0 is ``start``).
+The sliced-config approach (``docs/protocols/pipeline.md``, "Sliced configuration"): a copy of
+the text config with ``num_hidden_layers = end - start`` (and ``layer_types[start:end]``)
+builds the base model on the ``meta`` device; only the tensors of layers ``[start, end)`` are
+read from the safetensors files and renamed to local indices. The model's own forward then
+builds masks, rotary embeddings and per-layer-type caches correctly, and a stage's cache is
+compact (its layer 0 is ``start``).
 No Ray here, so the same code runs in stage actors, the origin, tests and on a bare GPU box.
 """
 

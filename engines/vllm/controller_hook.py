@@ -1,6 +1,6 @@
 """The per-step controller hook inside vLLM: a logits processor that speaks the seed's main channel.
 
-One class serves both of vLLM's logits-processor interfaces (``../shared/specs/aici.md`` §8.1),
+One class serves both of vLLM's logits-processor interfaces (``docs/protocols/aici.md``, "The vLLM hook"),
 so whichever model runner vLLM picks loads it from the one name: the V1 runner's
 (``vllm.v1.sample.logits_processor.LogitsProcessor``: ``__init__(config, device, pin)``,
 ``update_state`` with added / removed / moved rows and vLLM's live output lists; vLLM's x86 CPU

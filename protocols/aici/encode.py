@@ -1,4 +1,4 @@
-"""Internal events → AICI's ``/v1/run`` server-sent events (shared/specs/aici.md §7).
+"""Internal events → AICI's ``/v1/run`` server-sent events (``docs/protocols/aici.md``, "REST API").
 
 ``run_objects`` is a pure transform (events in, JSON objects out); ``sse`` frames them. The
 shape is AICI's: ``initial-run`` first, then one ``run`` object per engine event with a

@@ -1,5 +1,5 @@
 """AICI's error shape: a plain-text body ``APIError: <message>``, 400 for the caller's mistakes
-and 500 otherwise (shared/specs/aici.md §7); this gateway adds 404, 429 and 503 where those
+and 500 otherwise (``docs/protocols/aici.md``, "REST API"); this gateway adds 404, 429 and 503 where those
 are what happened (pyaici.rest shows any non-200 status with its body)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""AICI's REST API (shared/specs/aici.md §7): ``POST /v1/run`` streams a controlled generation;
+"""AICI's REST API (``docs/protocols/aici.md``, "REST API"): ``POST /v1/run`` streams a controlled generation;
 ``GET``/``POST /v1/controllers/tags`` list and set controller tags; ``POST /v1/controllers``
 (Wasm upload) is refused, as only the engines' registered controllers run here.
 

@@ -1,4 +1,4 @@
-"""AICI's REST bodies (shared/specs/aici.md §7), decoded in one validation pass."""
+"""AICI's REST bodies (``docs/protocols/aici.md``, "REST API"), decoded in one validation pass."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Controller tags: names for controller module ids (shared/specs/aici.md §3, §7).
+"""Controller tags: names for controller module ids (``docs/protocols/aici.md``, "Controller tags").
 
 The engines report the controllers they host (``ModelInfo.controllers``); tags users set here
 point at those module ids. A :class:`TagStore` keeps the user-set ones: this process's

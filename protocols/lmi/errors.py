@@ -1,4 +1,4 @@
-"""LMI error bodies (shared/specs/lmi-and-tgi.md §5).
+"""LMI error bodies (``docs/protocols/lmi-and-tgi.md``, "LMI errors").
 
 Four shapes: payload validation ``{"error", "code": 424}``; front-end errors
 ``{"code", "type", "message"}``; a failed generation, which is the seed's body with

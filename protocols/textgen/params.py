@@ -1,6 +1,6 @@
 """LMI ``GenerationParameters`` and TGI ``GenerateParameters`` → internal sampling and output.
 
-One tolerant reader for both dialects (shared/specs/lmi-and-tgi.md §2.3, §6.2, §8): ``null``
+One tolerant reader for both dialects (``docs/protocols/lmi-and-tgi.md``, "Parameters"): ``null``
 means unset, ``max_tokens`` / ``stop`` / ``ignore_eos`` are read as aliases, knobs sent at the
 top level of the body count when ``parameters`` lacks them, unknown keys are ignored. The
 dialects differ in defaults and ranges (:class:`Dialect`). Every problem raises

@@ -1,4 +1,4 @@
-"""TGI's error body ``{"error", "error_type"}`` (shared/specs/lmi-and-tgi.md §6.5)."""
+"""TGI's error body ``{"error", "error_type"}`` (``docs/protocols/lmi-and-tgi.md``, "TGI errors")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""AICI's REST API (shared/specs/aici.md §7) over the fake engine: the SSE shape pyaici reads,
+"""AICI's REST API (``docs/protocols/aici.md``, "REST API") over the fake engine: the SSE shape pyaici reads,
 controller resolution (tags, module ids, ``none``), tags and their rules, errors as
 ``APIError:`` plain text."""
 

@@ -1,7 +1,7 @@
 """The controller runtime (engines/controllers/runtime.py): the seed's commands against scripted
 controllers, llguidance's, and over the shared-memory transport.
 
-Shapes are checked against the seed's examples (``../shared/seeds/aicirt-protocol.txt``):
+Shapes are checked against aicirt's documented examples (``docs/protocols/controller-runtime.md``):
 ``SequenceResult`` = ``error``, ``result``, ``storage``, ``logs``, ``micros``; sequence ids as
 strings; ``pre`` results ``suspend`` / ``num_forks`` / ``ff_tokens``; ``post`` results ``stop``.
 """

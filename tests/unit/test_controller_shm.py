@@ -1,6 +1,6 @@
 """The aicirt shared-memory transport (engines/controllers/shm.py), driven from both ends.
 
-The oracle for the wire format is the seed (``../shared/seeds/aicirt-protocol.txt``): the
+The oracle for the wire format is aicirt's (``docs/protocols/controller-runtime.md``): the
 "foreign" ends below are written against raw ``posix_ipc`` and ``struct``, not this module, so
 an engine end that only understood itself would fail them.
 """

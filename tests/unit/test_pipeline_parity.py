@@ -1,4 +1,4 @@
-"""Pipeline stages against the unsplit model (shared/specs/pipeline-stages.md §11): CPU, fp32,
+"""Pipeline stages against the unsplit model (``docs/protocols/pipeline.md``, "Parity"): CPU, fp32,
 tiny random checkpoints from real config classes plus the embedded SmolLM2, no Ray.
 
 Oracle: the unsplit HF model's own forward and ``generate(do_sample=False)``.
