@@ -595,8 +595,10 @@ class ControllerRuntime:
             controller = factory(ctx, arg, list(prompt))
         except ControllerError as exc:
             return error_reply(str(exc), is_user_error=True)
-        except Exception as exc:  # a controller's own failure: the request fails, not us
-            return error_reply(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # the request's controller failed, not the runtime: the
+            # client's error (AICI's ``fail`` in the stream, elsewhere a validation error), as
+            # docs/controllers.md says, not an engine failure (HTTP 500 on /v1/run)
+            return error_reply(f"{type(exc).__name__}: {exc}", is_user_error=True)
         return _Seq(req_id, controller, ctx, [])
 
 

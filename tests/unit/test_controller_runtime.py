@@ -580,3 +580,15 @@ def test_the_fork_op_counts_forks_siblings_made_meanwhile():
     answer = _fork(rt, "run-l", ["run-l.1", "run-l.2"])
     assert answer["type"] == "error" and "exceed the limit of 3" in answer["error"]
     assert "run-l.1" not in rt._live
+
+
+def test_a_controller_that_raises_while_it_is_built_is_the_requests_error():
+    class Broken(Controller):
+        def __init__(self, ctx, arg, prompt):
+            raise RuntimeError("cannot build")
+
+    rt = ControllerRuntime(FakeTokenizer(), {"broken": Broken}, None, Limits())
+    answer = _side(rt, {"op": "instantiate", "req_id": "run-b", "prompt": [1],
+                        "module_id": "broken", "module_arg": ""})
+    assert answer["type"] == "error" and answer["is_user_error"], answer
+    assert answer["error"] == "RuntimeError: cannot build"
