@@ -42,7 +42,8 @@ def sliced_config(config: Any, start: int, end: int, attn_implementation: str) -
     cfg.num_hidden_layers = end - start
     if layer_types is not None:
         cfg.layer_types = list(layer_types[start:end])
-    # Set explicitly: modules built outside from_pretrained don't resolve it (spec §8.10).
+    # Set explicitly: modules built outside from_pretrained don't resolve it
+    # (docs/protocols/pipeline.md, "Sliced configuration").
     cfg._attn_implementation = attn_implementation
     return cfg
 
@@ -103,7 +104,7 @@ def _build(cfg: Any, state: dict[str, Any], dtype, keep_embed: bool, keep_norm: 
     if result.unexpected_keys:
         raise ValueError(f"unexpected tensors for this slice: {result.unexpected_keys[:5]}")
     missing = [k for k in result.missing_keys if "rotary" not in k]
-    if missing:  # strict=False must not leave real weights uninitialised (spec §2.4, §2.6)
+    if missing:  # strict=False must not leave real weights uninitialised (docs/protocols/pipeline.md)
         raise ValueError(f"checkpoint lacks tensors for this slice: {missing[:5]}")
     # Non-persistent buffers (rotary inv_freq) stay on meta after assign=True: rebuild them.
     if hasattr(model, "rotary_emb"):

@@ -69,9 +69,9 @@ class StageCore:
     def forward(self, hop: Hop, check: bool = False) -> Hop:
         """Run the layers over ``hop``; the returned hop carries a fresh digest when ``check``.
 
-        The position guard (spec §4): ``first == 0`` or no cache → a new cache; ``first`` equal
-        to the cached length → a normal step; below it → a duplicate, cropped and recomputed;
-        above it → a lost step, :class:`CacheMismatch`.
+        The position guard (docs/protocols/pipeline.md): ``first == 0`` or no cache → a new
+        cache; ``first`` equal to the cached length → a normal step; below it → a duplicate,
+        cropped and recomputed; above it → a lost step, :class:`CacheMismatch`.
         """
         import torch
 
