@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
-from engines.kinds import ENGINE_CONCURRENCY, ENGINE_KINDS, check_engine_args
+from engines.kinds import check_engine_args, kind_of
 
 __all__ = ["Autoscaling", "Controllers", "ModelConfig"]
 
@@ -83,7 +83,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``num_cpus``: Ray CPUs reserved per replica; fractional so small boxes can schedule it
     (vLLM's own threads are bound by its CPU backend, not by this number).
     ``max_ongoing_requests``: requests one replica holds at once (default: twice the sequences
-    the engine batches, ``engines.kinds.ENGINE_CONCURRENCY``, so the engine's own queue stays
+    the engine batches, ``EngineKind.concurrency_arg``, so the engine's own queue stays
     short). ``max_queued_requests``: requests each ingress replica queues for this model beyond
     that (default: as many as ongoing); more are refused as overloaded (429/503 in the
     protocol's shape) instead of waiting without bound. ``-1``: unbounded (Serve's default).
@@ -137,9 +137,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("max_queued_requests must be >= 0, or -1 for unbounded")
         if not self.health_check_period_s > 0:
             raise ValueError("health_check_period_s must be positive")
-        if self.engine not in ENGINE_KINDS:
-            raise ValueError(f"model {self.name!r}: unknown engine kind {self.engine!r}; "
-                             f"known: {sorted(ENGINE_KINDS)}")
+        kind_of(self)  # a kind it names
         try:
             check_engine_args(self, local_model_dir(self.source))
         except ValueError as exc:
@@ -148,8 +146,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def ongoing_limit(self) -> int:
         if self.max_ongoing_requests is not None:
             return self.max_ongoing_requests
-        option, default = ENGINE_CONCURRENCY[self.engine]
-        return 2 * int(self.engine_args.get(option) or default)
+        kind = kind_of(self)
+        return 2 * int(self.engine_args.get(kind.concurrency_arg) or kind.default_concurrency)
 
     def pending_limit(self) -> int | None:
         """Generations one ingress replica sends this model at most: what its replicas hold

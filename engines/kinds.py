@@ -1,7 +1,8 @@
-"""Engine kinds: the name a model entry gives in ``engine:`` → the class that implements it.
+"""Engine kinds: the name a model entry gives in ``engine:`` → one :class:`EngineKind` entry.
 
 Classes are named by import path and imported only when a replica starts, so validating a
-config never imports vLLM (or torch). Each class is built with ``cls(config)``.
+config never imports vLLM (or torch). Each class is built with ``cls(config)``. Adding a kind is
+one entry in :data:`ENGINE_KINDS` (the README's "Add an engine kind").
 """
 
 from __future__ import annotations
@@ -9,41 +10,61 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+import msgspec
+
 if TYPE_CHECKING:
     from engines.base import Engine
     from engines.config import ModelConfig
 
-__all__ = ["ENGINE_ARG_CHECKS", "ENGINE_CONCURRENCY", "ENGINE_KINDS", "check_engine_args", "create_engine"]
+__all__ = ["ENGINE_KINDS", "EngineKind", "check_engine_args", "create_engine", "kind_of"]
 
-ENGINE_KINDS: dict[str, str] = {
-    "vllm": "engines.vllm.engine:VLLMEngine",
-    "pipeline": "engines.pipeline.engine:PipelineEngine",
+
+class EngineKind(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the gateway needs to know about one engine kind before importing it."""
+
+    # ``module:Class`` of the engine (an ``engines.base.Engine``), imported in the replica.
+    implementation: str
+    # The engine argument that says how many sequences it batches, and that argument's default:
+    # replica limits derive from it (ModelConfig.ongoing_limit).
+    concurrency_arg: str
+    default_concurrency: int
+    # ``module:function`` checking the kind's ``engine_args`` when the config is loaded (``serve
+    # run``), so a bad option fails there rather than in a replica; called as
+    # ``check(engine_args, local_dir)``, ``local_dir`` the model directory when readable here
+    # (else None). Must not import the engine itself (torch, vLLM).
+    arg_check: str | None = None
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {
+    # vLLM's SchedulerConfig default batch.
+    "vllm": EngineKind(implementation="engines.vllm.engine:VLLMEngine",
+                       concurrency_arg="max_num_seqs", default_concurrency=128),
+    "pipeline": EngineKind(implementation="engines.pipeline.engine:PipelineEngine",
+                           concurrency_arg="max_sequences", default_concurrency=8,
+                           arg_check="engines.pipeline.config:check_engine_args"),
 }
 
-# Per kind, the engine argument that says how many sequences it batches, and its default
-# (vLLM's SchedulerConfig default; the pipeline's max_sequences): replica limits derive from it.
-ENGINE_CONCURRENCY: dict[str, tuple[str, int]] = {
-    "vllm": ("max_num_seqs", 128),
-    "pipeline": ("max_sequences", 8),
-}
 
-# Per kind, a check of its ``engine_args`` run when the config is loaded (``serve run``), so a
-# bad option fails there rather than in a replica. Called as ``check(engine_args, local_dir)``,
-# ``local_dir`` being the model directory when it is readable here (else None). Must not import
-# the engine itself (torch, vLLM).
-ENGINE_ARG_CHECKS: dict[str, str] = {
-    "pipeline": "engines.pipeline.config:check_engine_args",
-}
+def kind_of(config: ModelConfig) -> EngineKind:
+    """The entry of ``config.engine``; ValueError naming the known kinds if there is none."""
+    kind = ENGINE_KINDS.get(config.engine)
+    if kind is None:
+        raise ValueError(f"model {config.name!r}: unknown engine kind {config.engine!r}; "
+                         f"known: {sorted(ENGINE_KINDS)}")
+    return kind
+
+
+def _named(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def create_engine(config: ModelConfig) -> Engine:
-    module, _, name = ENGINE_KINDS[config.engine].partition(":")
-    return getattr(importlib.import_module(module), name)(config)
+    return _named(kind_of(config).implementation)(config)
 
 
 def check_engine_args(config: ModelConfig, local_dir: str | None) -> None:
     """Raise ValueError when ``config.engine_args`` are wrong for its kind."""
-    check = ENGINE_ARG_CHECKS.get(config.engine)
+    check = kind_of(config).arg_check
     if check is not None:
-        module, _, name = check.partition(":")
-        getattr(importlib.import_module(module), name)(config.engine_args, local_dir)
+        _named(check)(config.engine_args, local_dir)

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from engines.config import ModelConfig
-from engines.kinds import ENGINE_KINDS, create_engine
+from engines.kinds import ENGINE_KINDS, EngineKind, create_engine
 from protocols.internal import (
     BacktrackEvent,
     ControllerSpec,
@@ -139,8 +139,12 @@ def test_engine_kinds_are_validated_and_built_by_name(monkeypatch):
     with pytest.raises(ValueError, match="unknown engine kind 'nope'"):
         ModelConfig(engine="nope")
 
-    monkeypatch.setitem(ENGINE_KINDS, "fake", "tests.unit.test_engine_host:_FromConfig")
-    engine = create_engine(ModelConfig(name="x", engine="fake"))
+    monkeypatch.setitem(ENGINE_KINDS, "fake", EngineKind(
+        implementation="tests.unit.test_engine_host:_FromConfig", concurrency_arg="batch",
+        default_concurrency=3))
+    config = ModelConfig(name="x", engine="fake")
+    assert config.ongoing_limit() == 6  # twice what it batches, from the same entry
+    engine = create_engine(config)
     # (pytest imports this file under another module name than the kind's path gives)
     assert type(engine).__name__ == "_FromConfig" and engine.config.name == "x"
 
