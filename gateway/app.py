@@ -54,13 +54,29 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
     app.state.config = config
+    _add_middlewares(app, config, errors, _PUBLIC_PATHS.union(*(s.public_paths for s in specs)))
+    _add_error_handlers(app, errors)
+    _add_own_routes(app, registry, specs)
+    for spec in specs:
+        for router in spec.routers:
+            app.include_router(router)
+    return app
+
+
+def _add_middlewares(app: FastAPI, config: GatewayConfig, errors: ErrorShapes,
+                     public: frozenset[str]) -> None:
+    """Body bound, metrics, admission and (with keys) auth; the last added runs first."""
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(MetricsMiddleware)
-    public = _PUBLIC_PATHS.union(*(s.public_paths for s in specs))
     app.add_middleware(Admission, max_inflight=config.max_concurrent_requests,
                        refuse=errors.response, exempt=public)
+    keys = config.keys()
     if keys:
         app.add_middleware(KeyAuth, keys=keys, refuse=errors.response, public=public)
+
+
+def _add_error_handlers(app: FastAPI, errors: ErrorShapes) -> None:
+    """Every error becomes the owning protocol's shape, never exception text."""
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_: Request, exc: ProtocolError) -> Response:
@@ -94,6 +110,10 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
                                f"internal error (incident {incident}; the gateway's log has "
                                "the details)")
 
+
+def _add_own_routes(app: FastAPI, registry: ModelRegistry, specs: list) -> None:
+    """The gateway's own paths: probes, metrics, engine stats and the listing at ``/``."""
+
     @app.get("/health")
     async def health() -> Response:
         failed = [n for n, ok in (await registry.health()).items() if not ok]
@@ -123,11 +143,6 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
         """What is served here (websocket upgrades on ``/`` are LMTP)."""
         return {"service": "llm-gateway", "version": VERSION, "models": registry.names(),
                 "protocols": {s.name: s.listing for s in specs}}
-
-    for spec in specs:
-        for router in spec.routers:
-            app.include_router(router)
-    return app
 
 
 @serve.deployment

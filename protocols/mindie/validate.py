@@ -143,49 +143,10 @@ def to_request(body: Any, model: str, vocab_size: int, fallback_id: str, *, stre
     if not isinstance(params, dict):
         raise invalid("Parameter parameters must be an object.")
     knobs = _merged_knobs(body, params)
-
     details = _bool(knobs, "details") or False
-    do_sample = _bool(knobs, "do_sample")
-    max_new_tokens = _int(knobs, "max_new_tokens", 0, _INT32_MAX, low_open=True)
-    if max_new_tokens is None:
-        max_new_tokens = _int(knobs, "max_tokens", 0, _INT32_MAX, low_open=True)
-    repetition_penalty = _float(knobs, "repetition_penalty", 0.0)
-    seed = _int(knobs, "seed", 0, _UINT64_MAX)  # MindIE itself accepts 0 (see the spec notes)
-    temperature = _float(knobs, "temperature", 0.0)
-    top_k = _int(knobs, "top_k", 0, _INT32_MAX)
-    top_p = _float(knobs, "top_p", 0.0, 1.0)
-    _int(knobs, "batch_size", 0, _INT32_MAX, low_open=True)  # accepted; no effect here
-    _float(knobs, "typical_p", 0.0, 1.0)  # accepted; vLLM has no typical sampling
-    _bool(knobs, "watermark")  # accepted; no watermarking here
-    _bool(knobs, "perf_stat")  # accepted; timings are always measured
+    sampling = _sampling(knobs, vocab_size)
     priority = _int(knobs, "priority", 1, 5)
     timeout = _int(knobs, "timeout", 0, 3600, low_open=True)
-    ignore_eos = _bool(knobs, "ignore_eos") or False
-    min_length = _int(knobs, "min_length", 0, _INT32_MAX) or 0
-    end_id = knobs.get("end_id")
-    if is_int(end_id) and not 0 <= end_id < vocab_size:
-        ignore_eos = True  # TRT-LLM's way of asking for exactly max_tokens tokens
-
-    if do_sample is None:  # absent: decided by the other knobs
-        do_sample = temperature is not None or top_k is not None or top_p is not None
-    if not do_sample:
-        temperature = 0.0
-    elif temperature is None:
-        temperature = 1.0
-    if top_k is not None and top_k >= vocab_size:
-        top_k = 0
-    max_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    sampling = Sampling(
-        temperature=temperature,
-        top_k=top_k or 0,
-        top_p=top_p or 1.0,
-        repetition_penalty=repetition_penalty or 1.0,
-        seed=None if seed is None else seed % (_INT64_MAX + 1),
-        max_tokens=max_tokens,
-        min_tokens=min(min_length, max_tokens),
-        stop=_words(knobs.get("stop_words"), "stop_words"),
-        ignore_eos=ignore_eos,
-    )
     if _words(knobs.get("bad_words"), "bad_words"):
         raise invalid("Parameter bad_words is not supported by this server.")
     try:  # AICI-style controllers (docs/controllers.md): an extension of this gateway
@@ -205,3 +166,46 @@ def to_request(body: Any, model: str, vocab_size: int, fallback_id: str, *, stre
         controller=controller,
     )
     return request, MindIEOptions(id=request_id, details=details)
+
+
+def _sampling(knobs: dict, vocab_size: int) -> Sampling:
+    """The sampling knobs, checked; MindIE's rule decides greedy or sampling when
+    ``do_sample`` is absent."""
+    do_sample = _bool(knobs, "do_sample")
+    max_new_tokens = _int(knobs, "max_new_tokens", 0, _INT32_MAX, low_open=True)
+    if max_new_tokens is None:
+        max_new_tokens = _int(knobs, "max_tokens", 0, _INT32_MAX, low_open=True)
+    repetition_penalty = _float(knobs, "repetition_penalty", 0.0)
+    seed = _int(knobs, "seed", 0, _UINT64_MAX)  # MindIE itself accepts 0
+    temperature = _float(knobs, "temperature", 0.0)
+    top_k = _int(knobs, "top_k", 0, _INT32_MAX)
+    top_p = _float(knobs, "top_p", 0.0, 1.0)
+    _int(knobs, "batch_size", 0, _INT32_MAX, low_open=True)  # accepted; no effect here
+    _float(knobs, "typical_p", 0.0, 1.0)  # accepted; vLLM has no typical sampling
+    _bool(knobs, "watermark")  # accepted; no watermarking here
+    _bool(knobs, "perf_stat")  # accepted; timings are always measured
+    ignore_eos = _bool(knobs, "ignore_eos") or False
+    min_length = _int(knobs, "min_length", 0, _INT32_MAX) or 0
+    end_id = knobs.get("end_id")
+    if is_int(end_id) and not 0 <= end_id < vocab_size:
+        ignore_eos = True  # TRT-LLM's way of asking for exactly max_tokens tokens
+    if do_sample is None:  # absent: decided by the other knobs
+        do_sample = temperature is not None or top_k is not None or top_p is not None
+    if not do_sample:
+        temperature = 0.0
+    elif temperature is None:
+        temperature = 1.0
+    if top_k is not None and top_k >= vocab_size:
+        top_k = 0
+    max_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    return Sampling(
+        temperature=temperature,
+        top_k=top_k or 0,
+        top_p=top_p or 1.0,
+        repetition_penalty=repetition_penalty or 1.0,
+        seed=None if seed is None else seed % (_INT64_MAX + 1),
+        max_tokens=max_tokens,
+        min_tokens=min(min_length, max_tokens),
+        stop=_words(knobs.get("stop_words"), "stop_words"),
+        ignore_eos=ignore_eos,
+    )

@@ -200,9 +200,44 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
     unknown = sorted(set(p) - _KNOWN)
     if unknown:
         log.debug("ignoring unknown %s parameters %s", dialect.name, unknown)
-    strict = dialect.strict_ranges
     _refuse_unsupported(p, dialect)
+    choice = _sampling_choice(p, dialect)
+    seed = _integer(p, "seed", low=0, high=2**63 - 1)
+    sequences = _sequences(p, dialect, stream=stream, sample=choice.sample, seed=seed)
+    top_n = _integer(p, "top_n_tokens", "logprobs", low=0, high=dialect.max_top_n_tokens) or 0
+    # prefill reports each prompt token's own logprob; alternatives have no place in the schema
+    prompt_logprobs = _integer(p, "prompt_logprobs", low=0, high=1)
+    prefill = bool(_flag(p, "decoder_input_details")) or prompt_logprobs is not None
+    if prefill and stream and not dialect.stream_prefill:
+        raise InvalidParameters("`decoder_input_details` is not supported when streaming tokens.")
+    details = _flag(p, "details")
+    if details is None and prefill:
+        details = True  # as TGI: prefill is reported inside details
+    truncate = _integer(p, "truncate", low=1)
+    max_new_tokens = _integer(p, "max_new_tokens", "max_tokens", low=1)
+    seed = seed if choice.sample else None
+    return Generation(
+        sampling=_sampling(p, dialect, choice, seed, sequences, max_new_tokens),
+        output=_output(p, stream=stream, top_n=top_n, prefill=prefill),
+        details=dialect.default_details if details is None else details,
+        return_full_text=bool(_flag(p, "return_full_text")), prefill=prefill,
+        top_n_tokens=top_n, seed=seed, truncate=truncate, controller=_controller(p),
+    )
 
+
+@dataclass(frozen=True)
+class _Choice:
+    """Greedy or sampling, and the sampling knobs as sent (None: unset)."""
+
+    sample: bool
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+
+
+def _sampling_choice(p: dict, dialect: Dialect) -> _Choice:
+    strict = dialect.strict_ranges
     temperature = _number(p, "temperature", 0.0, low_open=strict)
     top_k = _integer(p, "top_k", low=1 if strict else -1)
     top_p = _number(p, "top_p", 0.0, 1.0, low_open=True, high_open=strict)
@@ -215,8 +250,12 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
         sample = (do_sample if do_sample is not None else warpers) and temperature != 0.0
     else:
         sample = bool(do_sample) or warpers  # TGI's NextTokenChooser rule
+    return _Choice(bool(sample), temperature, top_k, top_p, min_p)
 
-    seed = _integer(p, "seed", low=0, high=2**63 - 1)
+
+def _sequences(p: dict, dialect: Dialect, *, stream: bool, sample: bool,
+               seed: int | None) -> int:
+    """How many sequences (``n`` / ``best_of``) the request asks for, checked."""
     n = _integer(p, "n", low=1) if dialect.allows_n else None
     best_of = _integer(p, "best_of", low=1, high=dialect.max_best_of)
     sequences = max(n or 1, best_of or 1)
@@ -227,28 +266,22 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
             raise InvalidParameters("`n` / `best_of` > 1 needs sampling: set `do_sample` to true.")
         if dialect.name == "tgi" and seed is not None:
             raise InvalidParameters("`seed` must not be set when `best_of` > 1")  # as TGI
+    return sequences
 
-    top_n = _integer(p, "top_n_tokens", "logprobs", low=0, high=dialect.max_top_n_tokens) or 0
-    # prefill reports each prompt token's own logprob; alternatives have no place in the schema
-    prompt_logprobs = _integer(p, "prompt_logprobs", low=0, high=1)
-    prefill = bool(_flag(p, "decoder_input_details")) or prompt_logprobs is not None
-    if prefill and stream and not dialect.stream_prefill:
-        raise InvalidParameters("`decoder_input_details` is not supported when streaming tokens.")
-    details = _flag(p, "details")
-    if details is None and prefill:
-        details = True  # as TGI: prefill is reported inside details
-    truncate = _integer(p, "truncate", low=1)
-    max_new_tokens = _integer(p, "max_new_tokens", "max_tokens", low=1)
 
-    sampling = Sampling(
-        temperature=(temperature if temperature is not None else 1.0) if sample else 0.0,
-        top_p=top_p if sample and top_p is not None else 1.0,
-        top_k=top_k if sample and top_k is not None and top_k > 0 else 0,
-        min_p=min_p if sample and min_p is not None else 0.0,
+def _sampling(p: dict, dialect: Dialect, choice: _Choice, seed: int | None, sequences: int,
+              max_new_tokens: int | None) -> Sampling:
+    sample = choice.sample
+    return Sampling(
+        temperature=(choice.temperature if choice.temperature is not None else 1.0)
+        if sample else 0.0,
+        top_p=choice.top_p if sample and choice.top_p is not None else 1.0,
+        top_k=choice.top_k if sample and choice.top_k is not None and choice.top_k > 0 else 0,
+        min_p=choice.min_p if sample and choice.min_p is not None else 0.0,
         repetition_penalty=_number(p, "repetition_penalty", 0.0, low_open=True) or 1.0,
         presence_penalty=_number(p, "presence_penalty", -2.0, 2.0) or 0.0,
         frequency_penalty=_number(p, "frequency_penalty", -2.0, 2.0) or 0.0,
-        seed=seed if sample else None,
+        seed=seed,
         max_tokens=max_new_tokens or dialect.default_max_new_tokens,
         stop=_stops(p, dialect),
         stop_token_ids=_token_ids(p),
@@ -256,9 +289,12 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
         ignore_eos=bool(_flag(p, "ignore_eos_token", "ignore_eos")),
         n=sequences,
     )
+
+
+def _output(p: dict, *, stream: bool, top_n: int, prefill: bool) -> OutputOptions:
     skip_special = _flag(p, "skip_special_tokens")
     spaces = _flag(p, "spaces_between_special_tokens")
-    output = OutputOptions(
+    return OutputOptions(
         logprobs=top_n,  # 0: the sampled token's own logprob, which every Token carries
         prompt_logprobs=0 if prefill else None,  # 0: the prompt token's own logprob
         token_pieces=True,
@@ -266,13 +302,6 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
         splices="append" if stream else "full",
         skip_special_tokens=True if skip_special is None else skip_special,
         spaces_between_special_tokens=True if spaces is None else spaces,
-    )
-    return Generation(
-        sampling=sampling, output=output,
-        details=dialect.default_details if details is None else details,
-        return_full_text=bool(_flag(p, "return_full_text")), prefill=prefill,
-        top_n_tokens=top_n, seed=seed if sample else None,
-        truncate=truncate, controller=_controller(p),
     )
 
 
