@@ -11,7 +11,6 @@ costs a Ray object per batch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from ray import serve
@@ -28,10 +27,13 @@ from protocols.internal import (
     Prompt,
     encode_events,
 )
+from protocols.pump import Pump
 
 __all__ = ["EngineDeployment", "drain_batches"]
 
-_END = object()
+# Events a generation may run ahead of the ingress pulling them (then the engine's own output
+# collector merges its steps, as for any slow client).
+_AHEAD_EVENTS = 4096
 
 
 async def drain_batches(events: AsyncIterator[Event],
@@ -39,45 +41,17 @@ async def drain_batches(events: AsyncIterator[Event],
                         ) -> AsyncIterator[list[Event]]:
     """Re-chunk an event stream into lists of everything available when the consumer asks.
 
-    A producer task runs ahead of the consumer; cancelling or closing this generator cancels it,
-    which aborts the engine request. ``watch`` gets the producer task: cancelling it (its caller
-    is gone) aborts the engine request too and ends this stream early, without an error.
+    A producer task runs ahead of the consumer (at most ``_AHEAD_EVENTS``); cancelling or
+    closing this generator cancels it, which aborts the engine request. ``watch`` gets the
+    producer task: cancelling it (its caller is gone) aborts the engine request too and ends
+    this stream early, without an error.
     """
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def produce() -> None:
-        try:
-            async for event in events:
-                queue.put_nowait(event)
-        finally:
-            queue.put_nowait(_END)
-
-    producer = asyncio.create_task(produce())
-    if watch is not None:
-        watch(producer)
-    try:
-        while True:
-            batch = [await queue.get()]
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            done = batch[-1] is _END
-            if done:
-                batch.pop()
-            if batch:
-                yield batch
-            if done:
-                break
-        try:
-            await producer  # surfaces a producer exception instead of swallowing it
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise  # this stream itself is being cancelled
-    finally:
-        if not producer.done():
-            producer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await producer
+    async with Pump[Event](_AHEAD_EVENTS) as pump:
+        producer = pump.start(events)
+        if watch is not None:
+            watch(producer)
+        async for batch in pump.batches():
+            yield batch
 
 
 @serve.deployment(health_check_period_s=10, health_check_timeout_s=60)

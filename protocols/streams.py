@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
@@ -16,6 +14,7 @@ from protocols.internal import (
     ForkEvent,
     TokenEvent,
 )
+from protocols.pump import Pump
 
 __all__ = ["Peeked", "fold_splices", "merge", "peek", "reindexed"]
 
@@ -97,7 +96,8 @@ async def fold_splices(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
         yield error
 
 
-_END = object()
+# Events the merged streams may run ahead of the reader; beyond it they wait for it.
+_MERGE_AHEAD = 1024
 
 
 async def merge(streams: Sequence[AsyncIterator[Event]]) -> AsyncIterator[Event]:
@@ -110,32 +110,10 @@ async def merge(streams: Sequence[AsyncIterator[Event]]) -> AsyncIterator[Event]
         async for event in streams[0]:
             yield event
         return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(stream: AsyncIterator[Event]) -> None:
-        try:
-            async for event in stream:
-                await queue.put(event)
-        finally:
-            await queue.put(_END)
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is _END:
-                remaining -= 1
-                continue
-            yield item
-            if isinstance(item, ErrorEvent):
-                break
-        for task in tasks:  # surface a pump's exception
-            if task.done():
-                task.result()
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async with Pump[Event](_MERGE_AHEAD) as pump:
+        for stream in streams:
+            pump.start(stream)
+        async for event in pump.items():
+            yield event
+            if isinstance(event, ErrorEvent):
+                return

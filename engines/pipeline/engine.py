@@ -40,6 +40,7 @@ from protocols.internal import (
     TopLogprob,
     Usage,
 )
+from protocols.pump import Pump
 
 __all__ = ["PipelineEngine"]
 
@@ -117,41 +118,26 @@ class PipelineEngine:
             return
         # n > 1: one task per choice into a bounded queue; choice 0 goes first with the prompt
         # event, the others start once it is out (the contract puts it before every token).
-        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
         prompt_out = asyncio.Event()
 
-        async def run(index: int) -> None:
+        async def choice(index: int) -> AsyncIterator[Event]:
             try:
                 if index:
                     await prompt_out.wait()
-                choice = self._choice(request, admitted, index, started, prompt_out)
-                async with contextlib.aclosing(choice):
-                    async for event in choice:
-                        await queue.put(event)
-            except Exception as exc:
-                await queue.put(exc)
+                events = self._choice(request, admitted, index, started, prompt_out)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        yield event
             finally:
                 prompt_out.set()
-            # Not in `finally`: a cancelled task must not block on a full queue nobody reads.
-            await queue.put(None)
 
-        tasks = [asyncio.create_task(run(i)) for i in range(n)]
-        try:
-            done = 0
-            while done < n:
-                item = await queue.get()
-                if item is None:
-                    done += 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-                    if isinstance(item, ErrorEvent):
-                        return
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async with Pump[Event](64) as pump:
+            for index in range(n):
+                pump.start(choice(index))
+            async for event in pump.items():
+                yield event
+                if isinstance(event, ErrorEvent):
+                    return
 
     # --- one choice ---------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ from protocols.internal import (
     TokenEvent,
     Usage,
 )
+from protocols.pump import Pump
 
 __all__ = ["ControlledRun", "Segment", "refusal"]
 
@@ -111,8 +112,6 @@ class _Family:
         self.changed.set()
         self.changed = asyncio.Event()
 
-
-_DONE = object()
 
 
 class ControlledRun:
@@ -254,44 +253,15 @@ class ControlledRun:
     async def _forked(self, root: AsyncIterator[Event], first: int) -> AsyncIterator[Event]:
         """After the first fork: every branch a task feeding one bounded queue; a ForkEvent
         starts the branch it announces (so it follows that event)."""
-        queue: asyncio.Queue = asyncio.Queue(QUEUE_EVENTS)
-        tasks: list[asyncio.Task] = []
-
-        async def pump(events: AsyncIterator[Event]) -> None:
-            try:
-                async with aclosing(events):  # type: ignore[type-var]
-                    async for event in events:
-                        await queue.put(event)
-                await queue.put(_DONE)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # re-raised by the consumer
-                await queue.put(exc)
-
-        def start(index: int) -> None:
-            tasks.append(asyncio.create_task(pump(self.family.ready.pop(index)._branch(None))))
-
-        try:
-            tasks.append(asyncio.create_task(pump(root)))
-            start(first)
-            running = 2
-            while running:
-                item = await queue.get()
-                if item is _DONE:
-                    running -= 1
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if isinstance(item, ForkEvent):
-                    start(item.index)
-                    running += 1
-                elif isinstance(item, ErrorEvent):
-                    return  # ends the stream: the other branches are cancelled below
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async with Pump[Event](QUEUE_EVENTS) as pump:
+            pump.start(root)
+            pump.start(self.family.ready.pop(first)._branch(None))
+            async for event in pump.items():
+                yield event
+                if isinstance(event, ForkEvent):
+                    pump.start(self.family.ready.pop(event.index)._branch(None))
+                elif isinstance(event, ErrorEvent):
+                    return  # ends the stream: the other branches are cancelled on the way out
 
     async def _segments(self, state: dict) -> AsyncIterator[Event]:
         while True:
