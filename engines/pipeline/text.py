@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.detokenize import IncrementalDecoder
+
 __all__ = ["OutputText"]
 
 
@@ -21,8 +23,7 @@ class OutputText:
         self.stops = tuple(s for s in stops if s)
         self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids = list(prompt_ids[-5:])
-        self.prefix, self.read = 0, len(self.ids)
+        self.decoder = IncrementalDecoder(tokenizer, prompt_ids[-5:], skip_special_tokens)
         self.text = ""  # the output text so far (cut at a stop string once one matched)
         self.emitted = 0  # characters of ``text`` already handed out as deltas
 
@@ -56,11 +57,4 @@ class OutputText:
         return delta
 
     def _piece(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix: self.read],
-                                       skip_special_tokens=self.skip)
-        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before):]
-        return ""
+        return self.decoder.add(token_id)

@@ -51,6 +51,7 @@ from engines.controllers.shm import (
     SideClient,
     wants_edit,
 )
+from engines.detokenize import IncrementalDecoder
 from protocols.internal import (
     DEADLOCK,
     BacktrackEvent,
@@ -452,14 +453,10 @@ class ControlledRun:
         """Their text by incremental detokenization from the output's tail (as vLLM's and
         TGI's detokenizers: an incomplete character waits for the token that completes it)."""
         events = []
-        ids = self.out[-6:]
-        prefix, read = 0, len(ids)
+        decoder = IncrementalDecoder(self.tokenizer, self.out[-6:],
+                                     self.request.output.skip_special_tokens)
         for token in tokens:
-            ids.append(token)
-            before, after = self._text(ids[prefix:read]), self._text(ids[prefix:])
-            text = ""
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                text, prefix, read = after[len(before):], read, len(ids)
+            text = decoder.add(token)
             own = self._text([token]) if self.request.output.logprobs is not None else None
             self.forced += 1
             events.append(TokenEvent(index=self.index, token_id=token, text=text, forced=True,

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engines.detokenize import IncrementalDecoder
 from protocols.internal import (
     Event,
     FinalEvent,
@@ -34,9 +35,10 @@ class Translator:
         self.tokenizer = tokenizer
         self.want_prompt = request.output.echo or request.output.prompt_logprobs is not None
         self.counts: dict[int, int] = {}
-        # Per choice: [ids, prefix_offset, read_offset] for incremental detokenization
-        # (TokenEvent.piece), when the protocol asked for per-token text.
-        self.pieces: dict[int, list] | None = {} if request.output.token_pieces else None
+        # Per choice, its incremental detokenizer (TokenEvent.piece), when the protocol asked
+        # for per-token text.
+        self.pieces: dict[int, IncrementalDecoder] | None = (
+            {} if request.output.token_pieces else None)
         self.open: set[int] = set(range(request.sampling.n))
         self.started = time.monotonic()
 
@@ -111,23 +113,14 @@ class Translator:
         return events
 
     def _piece(self, index: int, token_id: int) -> str:
-        """The text ``token_id`` adds after the tokens before it, decoded in a short window that
-        starts in the prompt's tail (so tokenizers that drop a leading space on the first
-        token still see context), as TGI's and vLLM's detokenizers do."""
+        """The text ``token_id`` adds to choice ``index`` (``engines.detokenize``; the window
+        starts in the prompt's tail)."""
         assert self.pieces is not None
-        state = self.pieces.get(index)
-        if state is None:
-            tail = list(self.prompt_ids[-5:])
-            state = self.pieces[index] = [tail, 0, len(tail)]
-        ids, prefix, read = state
-        ids.append(token_id)
-        skip = self.request.output.skip_special_tokens
-        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
-        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            state[1], state[2] = read, len(ids)
-            return after[len(before):]
-        return ""
+        decoder = self.pieces.get(index)
+        if decoder is None:
+            decoder = self.pieces[index] = IncrementalDecoder(
+                self.tokenizer, self.prompt_ids[-5:], self.request.output.skip_special_tokens)
+        return decoder.add(token_id)
 
     def _final(self, index, reason, stop_reason, metrics, cached: int = 0) -> FinalEvent:
         self.open.discard(index)
