@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -49,12 +48,11 @@ from engines.controllers.base import (
     Variables,
 )
 from engines.controllers.shm import BiasMatrix, error_reply, ok_reply, row_ends
+from protocols.controller_tags import MAX_USER_TAGS, check_tags
 
 __all__ = ["ControllerFactory", "ControllerRuntime", "Limits", "module_id_of"]
 
 ControllerFactory = Callable[[ControllerContext, str, list[int]], Controller]
-_TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_HEX = re.compile(r"^[0-9a-fA-F]+$")
 
 
 @dataclass(frozen=True)
@@ -412,16 +410,14 @@ class ControllerRuntime:
         module_id, tags = request.get("module_id"), request.get("tags")
         if module_id not in self._modules:
             return error_reply(f"unknown module_id {module_id!r}", is_user_error=True)
-        if not isinstance(tags, list) or not tags or not all(isinstance(t, str) for t in tags):
-            return error_reply("'tags' is a non-empty list of strings", is_user_error=True)
-        # Non-admins may only name tags under their own user name (``alice.mytag``).
-        prefix = "" if auth.get("is_admin") else f"{auth.get('user', '')}."
-        for tag in tags:
-            if len(tag) > 50 or not _TAG.match(tag) or (len(tag) > 20 and _HEX.match(tag)):
-                return error_reply(f"invalid tag name {tag!r}", is_user_error=True)
-            if not tag.startswith(prefix):
-                return error_reply(f"permission denied for tag name {tag!r}",
-                                   is_user_error=True)
+        with self._lock:
+            builtin = {t for t, info in self._tags.items() if info["updated_by"] == "builtin"}
+            users = len(self._tags) - len(builtin)
+        why = check_tags(tags, str(auth.get("user", "")), bool(auth.get("is_admin")), builtin)
+        if why is None and users + len(tags) > MAX_USER_TAGS:
+            why = f"at most {MAX_USER_TAGS} user tags"
+        if why is not None:
+            return error_reply(why, is_user_error=True)
         now = int(time.time())
         infos = [{"tag": tag, "module_id": module_id, "updated_at": now,
                   "updated_by": str(auth.get("user", "")), "wasm_size": 0, "compiled_size": 0}

@@ -592,3 +592,16 @@ def test_a_controller_that_raises_while_it_is_built_is_the_requests_error():
                         "module_id": "broken", "module_arg": ""})
     assert answer["type"] == "error" and answer["is_user_error"], answer
     assert answer["error"] == "RuntimeError: cannot build"
+
+
+def test_the_runtime_and_the_rest_api_apply_the_same_tag_rules():
+    from protocols.controller_tags import check_tags
+
+    rt = _runtime()
+    mod = module_id_of(Scripted)
+    admin = {"user": "root", "is_admin": True}
+    # What the runtime let through before it shared the REST API's rules.
+    for bad in (["alice.x\n"], ["0123456789abcdef0123"], ["scripted"], ["none"]):
+        answer = _side(rt, {"op": "set_tags", "$auth": admin, "module_id": mod, "tags": bad})
+        assert answer["type"] == "error" and answer["is_user_error"], bad
+        assert answer["error"] == check_tags(bad, "root", True, {"scripted", "plain"})
