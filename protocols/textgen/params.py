@@ -31,22 +31,37 @@ class InvalidParameters(ValueError):
     """A request the protocol must refuse; the message names the field."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Dialect:
-    name: str
+    """How one dialect reads the shared parameters; every difference a named field."""
+
+    name: str  # for logs
     default_max_new_tokens: int
     default_details: bool
     strict_ranges: bool  # TGI: temperature > 0, top_k > 0, top_p and typical_p in (0, 1)
     max_stop_sequences: int | None
     max_top_n_tokens: int | None  # None: as many as the engine reports (admission checks)
-    allows_n: bool  # LMI's vLLM extras (n, logprobs, prompt_logprobs, ...)
+    allows_n: bool  # `n` is read (LMI's vLLM extra); TGI has only best_of
     stream_prefill: bool  # decoder_input_details allowed on streams
+    # True (LMI): an explicit do_sample decides and temperature 0 is greedy; False (TGI's
+    # NextTokenChooser): do_sample or any sampling knob samples.
+    do_sample_decides: bool
+    boolean_stop_ignored: bool  # LMI: TensorRT-LLM's boolean `stop` means nothing here
+    seed_refused_with_best_of: bool  # TGI refuses a seed with best_of > 1
     max_best_of: int | None = None
 
 
-LMI = Dialect("lmi", 30, False, False, None, None, True, True)
-LMI_TGI_COMPAT = Dialect("lmi", 30, True, False, None, None, True, True)
-TGI = Dialect("tgi", 100, False, True, 4, 5, False, False, max_best_of=2)  # TGI defaults
+_LMI = {"name": "lmi", "default_max_new_tokens": 30, "strict_ranges": False,
+        "max_stop_sequences": None, "max_top_n_tokens": None, "allows_n": True,
+        "stream_prefill": True, "do_sample_decides": True, "boolean_stop_ignored": True,
+        "seed_refused_with_best_of": False}
+LMI = Dialect(**_LMI, default_details=False)
+LMI_TGI_COMPAT = Dialect(**_LMI, default_details=True)
+TGI = Dialect(name="tgi", default_max_new_tokens=100, default_details=False, strict_ranges=True,
+              max_stop_sequences=4, max_top_n_tokens=5, allows_n=False, stream_prefill=False,
+              do_sample_decides=False, boolean_stop_ignored=False,
+              seed_refused_with_best_of=True, max_best_of=2)  # TGI's defaults
+
 
 _KNOWN = frozenset({
     "do_sample", "seed", "temperature", "repetition_penalty", "top_k", "top_p", "typical_p",
@@ -152,7 +167,7 @@ def _flag(p: dict, *names: str) -> bool | None:
 
 def _stops(p: dict, dialect: Dialect) -> tuple[str, ...]:
     name, value = _first(p, "stop_sequences", "stop")
-    if isinstance(value, bool) and dialect.name == "lmi":
+    if isinstance(value, bool) and dialect.boolean_stop_ignored:
         value = None  # TensorRT-LLM's boolean `stop`: meaningless for this engine
     if value is None:
         return ()
@@ -245,8 +260,7 @@ def _sampling_choice(p: dict, dialect: Dialect) -> _Choice:
     do_sample = _flag(p, "do_sample")
     warpers = (temperature not in (None, 1.0) or top_k not in (None, 0, -1)
                or top_p not in (None, 1.0) or min_p not in (None, 0.0))
-    if dialect.name == "lmi":
-        # LMI: an explicit do_sample wins; temperature 0 is greedy.
+    if dialect.do_sample_decides:
         sample = (do_sample if do_sample is not None else warpers) and temperature != 0.0
     else:
         sample = bool(do_sample) or warpers  # TGI's NextTokenChooser rule
@@ -264,7 +278,7 @@ def _sequences(p: dict, dialect: Dialect, *, stream: bool, sample: bool,
             raise InvalidParameters("`n` / `best_of` > 1 is only supported without streaming.")
         if not sample:
             raise InvalidParameters("`n` / `best_of` > 1 needs sampling: set `do_sample` to true.")
-        if dialect.name == "tgi" and seed is not None:
+        if dialect.seed_refused_with_best_of and seed is not None:
             raise InvalidParameters("`seed` must not be set when `best_of` > 1")  # as TGI
     return sequences
 
