@@ -113,9 +113,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # replica is noticed no sooner, and until then requests wait for it in Serve's router.
     health_check_period_s: float = 2.0
     colocated: bool = False
-    # On by default for the ``vllm`` kind: the hook costs nothing on steps without a controlled
-    # request. ``null`` turns the runtime and the hook off.
-    controllers: Controllers | None = Controllers()
+    # On by default for a kind that runs controllers (``EngineKind.runs_controllers``: vllm);
+    # the hook costs nothing on steps without a controlled request. ``null`` turns the runtime
+    # and the hook off; set on a kind that runs none, the config is refused.
+    controllers: Controllers | msgspec.UnsetType | None = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -137,7 +138,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("max_queued_requests must be >= 0, or -1 for unbounded")
         if not self.health_check_period_s > 0:
             raise ValueError("health_check_period_s must be positive")
-        kind_of(self)  # a kind it names
+        kind = kind_of(self)  # a kind it names
+        if self.controllers is msgspec.UNSET:
+            msgspec.structs.force_setattr(
+                self, "controllers", Controllers() if kind.runs_controllers else None)
+        elif self.controllers is not None and not kind.runs_controllers:
+            raise ValueError(f"model {self.name!r}: the {self.engine} engine runs no "
+                             "controllers; leave `controllers` out")
         try:
             check_engine_args(self, local_model_dir(self.source))
         except ValueError as exc:

@@ -33,12 +33,15 @@ class EngineKind(msgspec.Struct, frozen=True, kw_only=True):
     # ``check(engine_args, local_dir)``, ``local_dir`` the model directory when readable here
     # (else None). Must not import the engine itself (torch, vLLM).
     arg_check: str | None = None
+    # Hosts AICI-style controllers (ModelConfig.controllers defaults on, docs/controllers.md).
+    runs_controllers: bool = False
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
     # vLLM's SchedulerConfig default batch.
     "vllm": EngineKind(implementation="engines.vllm.engine:VLLMEngine",
-                       concurrency_arg="max_num_seqs", default_concurrency=128),
+                       concurrency_arg="max_num_seqs", default_concurrency=128,
+                       runs_controllers=True),
     "pipeline": EngineKind(implementation="engines.pipeline.engine:PipelineEngine",
                            concurrency_arg="max_sequences", default_concurrency=8,
                            arg_check="engines.pipeline.config:check_engine_args"),

@@ -256,3 +256,13 @@ async def test_closing_after_the_last_final_event_is_no_abort():
     await stream.aclose()
     stats = await engine.stats()
     assert (stats.active, stats.aborted) == (0, 0)
+
+
+def test_controllers_default_on_only_where_the_kind_runs_them():
+    from engines.config import Controllers
+
+    assert ModelConfig(name="v").controllers == Controllers()
+    assert ModelConfig(name="p", engine="pipeline").controllers is None
+    assert ModelConfig(name="off", controllers=None).controllers is None
+    with pytest.raises(ValueError, match="the pipeline engine runs no controllers"):
+        ModelConfig(name="p", engine="pipeline", controllers=Controllers())
