@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
@@ -87,6 +88,7 @@ class ServeEngineClient:
         self._suspect_event: asyncio.Event | None = None
         self._running: int | None = None  # replicas Serve last reported running (monitor)
         self._heard_at = 0.0  # when an engine replica last delivered events (monotonic)
+        self._status_pool: ThreadPoolExecutor | None = None
         self._caller: tuple[str, str] | bool | None = False  # this ingress replica, once known
 
     # --- availability ---------------------------------------------------------------------
@@ -144,13 +146,22 @@ class ServeEngineClient:
             if self._running and time.monotonic() - self._heard_at < self.monitor_interval_s:
                 continue
             try:
-                running = await asyncio.to_thread(self._running_replicas)
+                running = await asyncio.get_running_loop().run_in_executor(
+                    self._status_thread(), self._running_replicas)
             except Exception as exc:  # the controller is busy or restarting: no news
                 log.debug("serve status for %s failed: %r", self.model, exc)
                 continue
             self._running = running
             if running == 0:
                 self._mark_suspect()
+
+    def _status_thread(self) -> ThreadPoolExecutor:
+        """The monitor's own thread: its question must not wait behind whatever else fills
+        the loop's default executor (in the full test session, after the e2e suites, the
+        monitor's second question never ran there)."""
+        if self._status_pool is None:
+            self._status_pool = ThreadPoolExecutor(1, thread_name_prefix="engine-monitor")
+        return self._status_pool
 
     def _running_replicas(self) -> int:
         if not ray.is_initialized():  # serve.status() would start a local Ray instance

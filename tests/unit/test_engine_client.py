@@ -4,6 +4,7 @@ is full, dead, restarting or stuck, and that Ray's exception text never reaches 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -368,10 +369,26 @@ async def test_the_monitor_asks_serve_only_while_no_stream_delivers():
             asked.append(time.monotonic())
             return 1
 
-    client = _Monitored(handle, "m", monitor_interval_s=0.3)
+    # The loop's default executor full of stuck work (as after the e2e suites in one session):
+    # the monitor has its own thread.
+    release = threading.Event()
+    stuck = [asyncio.get_running_loop().run_in_executor(None, release.wait) for _ in range(64)]
+    try:
+        await _monitor_asks_only_while_idle(handle, asked, _Monitored)
+    finally:
+        release.set()
+        await asyncio.gather(*stuck)
+
+
+async def _monitor_asks_only_while_idle(handle, asked, monitored) -> None:
+    client = monitored(handle, "m", monitor_interval_s=0.3)
     assert await client.available()  # starts the monitor
-    while not asked:
-        await asyncio.sleep(0.01)
+
+    async def first_question() -> None:
+        while not asked:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(first_question(), 10)
     # Streams completing back to back: Serve is not asked (one tick may see the last reading
     # old if this loop is starved on a loaded box).
     start = time.monotonic()
