@@ -51,8 +51,9 @@ with rate limits). ``ingress_num_cpus``
     # Model listings show the model's source (a filesystem path) as `root` / `modelUrl` only
     # when this is set; by default they show the model name.
     expose_model_paths: bool = False
-    # LMTP bounds per websocket connection: concurrent streams, frame size (frames past Ray
-    # Serve's proxy limit of 16 MiB are closed by the proxy itself), and queued outgoing items
+    # LMTP bounds per websocket connection: concurrent streams, frame size (frames past
+    # uvicorn's 16 MiB are closed by the HTTP server in front, the ingress replica's own under
+    # HAProxy or Serve's proxy; docs/protocols/lmtp.md), and queued outgoing items
     # (a slow reader stalls its streams instead of growing memory); idle connections (no
     # stream, no frame) are closed after lmtp_idle_timeout_s.
     lmtp_max_streams: int = 128
