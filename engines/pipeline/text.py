@@ -18,8 +18,6 @@ __all__ = ["OutputText"]
 class OutputText:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool,
                  stops: tuple[str, ...], include_stop: bool):
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
         self.stops = tuple(s for s in stops if s)
         self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
@@ -31,7 +29,7 @@ class OutputText:
         """Append a token: (its piece of text, the delta to send now, the stop string it
         completed or None). ``check_stops`` False: text before ``min_tokens`` is out, which
         stop strings don't end (vLLM)."""
-        piece = self._piece(token_id)
+        piece = self.decoder.add(token_id)
         scan_from = max(0, len(self.text) - self.hold)
         self.text += piece
         for stop in self.stops if check_stops else ():
@@ -43,7 +41,7 @@ class OutputText:
 
     def piece(self, token_id: int) -> str:
         """The text ``token_id`` adds, without adding it to the output (a stop token's)."""
-        return self._piece(token_id)
+        return self.decoder.add(token_id)
 
     def flush(self) -> str:
         """What was held back, at the end of the sequence."""
@@ -55,6 +53,3 @@ class OutputText:
         delta = self.text[self.emitted: upto]
         self.emitted = upto
         return delta
-
-    def _piece(self, token_id: int) -> str:
-        return self.decoder.add(token_id)

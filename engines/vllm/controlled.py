@@ -114,7 +114,6 @@ class _Family:
         self.changed = asyncio.Event()
 
 
-
 class ControlledRun:
     """One controlled request. ``run_segment(prompt_ids, max_tokens, binding)`` is the engine's:
     it yields the segment's TokenEvents (the last one with ``last``) and returns through

@@ -41,5 +41,3 @@ def tag_info(tag: str, module_id: str, user: str, at: int | None = None) -> dict
     return {"tag": tag, "module_id": module_id,
             "updated_at": int(time.time()) if at is None else at, "updated_by": user,
             "wasm_size": 0, "compiled_size": 0}
-
-
