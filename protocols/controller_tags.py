@@ -9,6 +9,7 @@ A neutral module (it imports nothing of this project) that the engines may impor
 from __future__ import annotations
 
 import re
+from collections.abc import Set
 
 __all__ = ["MAX_TAGS_PER_REQUEST", "MAX_USER_TAGS", "check_tags"]
 
@@ -18,7 +19,7 @@ MAX_TAGS_PER_REQUEST = 16
 MAX_USER_TAGS = 1000
 
 
-def check_tags(tags: object, user: str, admin: bool, builtin: set[str]) -> str | None:
+def check_tags(tags: object, user: str, admin: bool, builtin: Set[str]) -> str | None:
     """Why ``tags`` may not be set by this user (None: they may). Non-admins only name tags
     under their own user name (``alice.mytag``), as AICI's runtime requires; nobody renames
     the engines' own controllers (a tag named ``llguidance`` would redirect everyone's)."""

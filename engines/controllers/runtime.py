@@ -119,6 +119,7 @@ class ControllerRuntime:
         # threads, so a busy _pool cannot deadlock them.
         self._side_pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="aici-side")
         started = int(time.time())
+        self._builtin = frozenset(controllers)  # tags nobody may set (check_tags)
         for tag, factory in controllers.items():
             module_id = module_id_of(factory)
             self._modules[module_id] = factory
@@ -411,9 +412,9 @@ class ControllerRuntime:
         if module_id not in self._modules:
             return error_reply(f"unknown module_id {module_id!r}", is_user_error=True)
         with self._lock:
-            builtin = {t for t, info in self._tags.items() if info["updated_by"] == "builtin"}
-            users = len(self._tags) - len(builtin)
-        why = check_tags(tags, str(auth.get("user", "")), bool(auth.get("is_admin")), builtin)
+            users = len(self._tags) - len(self._builtin)
+        why = check_tags(tags, str(auth.get("user", "")), bool(auth.get("is_admin")),
+                         self._builtin)
         if why is None and users + len(tags) > MAX_USER_TAGS:
             why = f"at most {MAX_USER_TAGS} user tags"
         if why is not None:
