@@ -166,26 +166,27 @@ def _ray_env(ingress: str | None = None, **extra: str) -> dict:
     return {**env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), **extra}
 
 
+def _serve_run(port: int, applications: list[dict], env: dict) -> subprocess.Popen:
+    """``serve run`` of a config with ``applications`` on ``port`` (127.0.0.1), in its own
+    process group (``_stop``)."""
+    config = {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
+              "applications": applications}
+    path = Path(tempfile.mkdtemp()) / "bench_serve.json"
+    path.write_text(json.dumps(config))
+    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL)
+
+
 def _serve_gateway(model: str, model_dir: str, overrides: dict,
                    env: dict | None = None, colocated: bool = False,
                    transport: str = "channel", ingress: str | None = None) -> subprocess.Popen:
     # The README's path: `serve run` of a config; HAProxy on the public port unless ``ingress``
     # is "serve" (Serve's proxy actor).
-    config = {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": "127.0.0.1", "port": PORTS["gateway"]},
-        "applications": [{
-            "name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
-            "args": {"models": [{"name": model, "source": model_dir,
-                                 "engine_args": overrides, "colocated": colocated}],
-                     "engine_transport": transport},
-        }],
-    }
-    path = Path(tempfile.mkdtemp()) / "bench_serve.json"
-    path.write_text(json.dumps(config))
-    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT,
-                            env=_ray_env(ingress, **(env or {})), start_new_session=True,
-                            stdout=subprocess.DEVNULL)
+    app = {"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
+           "args": {"models": [{"name": model, "source": model_dir, "engine_args": overrides,
+                                "colocated": colocated}],
+                    "engine_transport": transport}}
+    return _serve_run(PORTS["gateway"], [app], _ray_env(ingress, **(env or {})))
 
 
 def _serve_gateway_apps(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
@@ -200,29 +201,14 @@ def _serve_gateway_apps(model: str, model_dir: str, overrides: dict) -> subproce
     apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
                  "args": {"models": [{**entry, "app": f"model-{i}"}
                                      for i, entry in enumerate(models)]}})
-    config = {"proxy_location": "EveryNode",
-              "http_options": {"host": "127.0.0.1", "port": PORTS["gateway"]},
-              "applications": apps}
-    path = Path(tempfile.mkdtemp()) / "bench_serve_apps.json"
-    path.write_text(json.dumps(config))
-    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT, env=_ray_env(),
-                            start_new_session=True, stdout=subprocess.DEVNULL)
+    return _serve_run(PORTS["gateway"], apps, _ray_env())
 
 
 def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
-    config = {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": "127.0.0.1", "port": PORTS["serve-llm"]},
-        "applications": [{
-            "name": "llm", "route_prefix": "/", "import_path": "bench.serve_llm_app:build",
-            "args": {"model_id": model, "model_dir": model_dir, "engine_args": overrides},
-        }],
-    }
-    path = Path(tempfile.mkdtemp()) / "bench_serve_llm.json"
-    path.write_text(json.dumps(config))
-    env = _ray_env(RAY_OVERRIDE_RESOURCES=json.dumps({"CPU": 8}))
-    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT, env=env,
-                            start_new_session=True, stdout=subprocess.DEVNULL)
+    app = {"name": "llm", "route_prefix": "/", "import_path": "bench.serve_llm_app:build",
+           "args": {"model_id": model, "model_dir": model_dir, "engine_args": overrides}}
+    return _serve_run(PORTS["serve-llm"], [app],
+                      _ray_env(RAY_OVERRIDE_RESOURCES=json.dumps({"CPU": 8})))
 
 
 # Ray Serve settings tried on the gateway behind Serve's proxy (the env of the Ray instance
