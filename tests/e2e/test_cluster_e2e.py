@@ -54,7 +54,9 @@ def test_every_protocol_routes_by_model_name(cluster_run):
 def test_replicas_and_stages_land_where_their_resources_are(cluster_run):
     placement = cluster_run["placement"]
     head = placement["head"]
-    assert placement["a_replicas"] == [head]          # llm_gateway_cpu_engine: head only
+    # llm_gateway_cpu_engine: the head only. Every replica of A there; how many there are is
+    # the autoscaler's (the requests before this snapshot may have added one; CI saw two).
+    assert placement["a_replicas"] and set(placement["a_replicas"]) == {head}
     assert len(placement["b_replicas"]) == 2           # two fixed replicas
     # pipeline_stage: the worker only; 2 replicas x 2 stages.
     assert len(placement["b_stages"]) == 4
