@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 from gateway.app import create_app  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.registry import ModelRegistry  # noqa: E402
+from gateway.serve_env import free_port  # noqa: E402
 from tests.fake_engine import FakeEngine  # noqa: E402
-from tests.serve_session import _free_port  # noqa: E402
 
 
 class _Forget(list):
@@ -60,7 +60,7 @@ def main() -> None:
     engine = FakeEngine(delay=0.001)
     engine.requests = _Forget()
     app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig())
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off", backlog=4096))
     threading.Thread(target=server.run, daemon=True).start()

@@ -27,8 +27,9 @@ from engines.embedded import local_model_dir, prepare_embedded_model  # noqa: E4
 from gateway import serve_env  # noqa: E402
 from gateway.app import build_app  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
+from gateway.serve_env import free_port  # noqa: E402
 from tests.pipeline_models import build_tiny  # noqa: E402
-from tests.serve_session import _free_port, _wait_healthy  # noqa: E402
+from tests.serve_session import _wait_healthy  # noqa: E402
 
 PATHS = [("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2}),
          ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}),
@@ -108,7 +109,7 @@ def main() -> None:
     prepare_embedded_model()
     tokenizer = Path(local_model_dir("embedded:smollm2-135m-instruct") or "")
     tiny = build_tiny("llama", Path(tempfile.mkdtemp()) / "tiny", tokenizer)
-    port = _free_port()
+    port = free_port()
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

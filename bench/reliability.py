@@ -38,7 +38,6 @@ import json
 import math
 import os
 import platform
-import socket
 import subprocess
 import sys
 import threading
@@ -61,6 +60,7 @@ from engines.config import ModelConfig  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
 from gateway import serve_env  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
+from gateway.serve_env import free_port  # noqa: E402
 
 APP = "relbench"
 CLIENT_TIMEOUT_S = 60.0  # a request that takes longer is a hang
@@ -100,11 +100,6 @@ QUICK = Scale(soak_clients=12, soak_s=30.0, overload_streams=100, overload_plain
 
 # --- the gateway under test -----------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Run a blocking call (Serve's deploy) in a daemon thread; give up after ``timeout_s``."""
@@ -142,7 +137,7 @@ class Gateway:
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0",
                                            "PYTHONPATH": pythonpath}})
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         self.url = f"http://127.0.0.1:{port}"
 

@@ -24,7 +24,7 @@ from collections.abc import MutableMapping
 
 from gateway.haproxy_errors import LAUNCHER, real_binary
 
-__all__ = ["HAPROXY_ENV", "INGRESS_VAR", "SERVE_ENV", "apply", "separate_haproxy"]
+__all__ = ["HAPROXY_ENV", "INGRESS_VAR", "SERVE_ENV", "apply", "free_port", "separate_haproxy"]
 
 SERVE_ENV: dict[str, str] = {
     # Errors Serve's proxy writes itself (an ingress replica that died, a proxy timeout) come
@@ -90,17 +90,12 @@ def separate_haproxy(env: MutableMapping[str, str] | None = None) -> MutableMapp
     tests' own clusters, an experiment beside a running gateway): Serve's defaults are fixed
     paths (``/tmp/haproxy-serve``) and ports (8404, 9101; its proxy beside HAProxy: 8500), and a
     second HAProxy on them fails to start. One Ray instance per machine needs none of this."""
-    import socket
     import tempfile
 
     env = os.environ if env is None else env
     # Short: Serve adds the node id (56 characters), and HAProxy's socket paths stop at 97.
     directory = tempfile.mkdtemp(prefix="hap-", dir="/tmp")
-    ports = []
-    for _ in range(3):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.append(str(probe.getsockname()[1]))
+    ports = [str(free_port()) for _ in range(3)]
     env.update({"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(directory, "haproxy.cfg"),
                 "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(directory, "admin.sock"),
                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": directory,
@@ -110,6 +105,29 @@ def separate_haproxy(env: MutableMapping[str, str] | None = None) -> MutableMapp
                 "RAY_SERVE_HAPROXY_METRICS_PORT": ports[1],
                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": ports[2]})
     return env
+
+
+# Below the kernel's ephemeral range (Linux: 32768-60999), above Ray's worker ports (10002-19999).
+_CHOSEN_PORTS = range(20000, 32768)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now, for a server started a moment later.
+
+    Chosen below the kernel's ephemeral range: a port the kernel handed out (``bind(0)``) and
+    we released can be taken by any outgoing connection before our server binds it, and a Ray
+    cluster starting opens hundreds (the cluster test's HAProxy once lost its port that way)."""
+    import random
+    import socket
+
+    for port in random.sample(_CHOSEN_PORTS, 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_CHOSEN_PORTS} on {host}")
 
 
 def main() -> None:

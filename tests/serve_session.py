@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,17 +17,13 @@ from engines.config import Controllers, ModelConfig
 from engines.embedded import EMBEDDED_MODEL_NAME
 from gateway import serve_env
 from gateway.config import GatewayConfig
+from gateway.serve_env import free_port
 
 MODEL = EMBEDDED_MODEL_NAME
 APP_NAME = "gateway"
 # Small, so the 413 path is exercised through Ray Serve without shipping 64 MiB bodies.
 MAX_REQUEST_BYTES = 1 << 20
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, what: str, timeout_s: float = 600) -> None:
@@ -54,7 +49,7 @@ def gateway_url():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Serve's proxy inherits Ray's environment: errors it writes itself come in shape.
     serve_env.apply()
-    port = _free_port()
+    port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     try:
@@ -149,7 +144,7 @@ def logprob_tolerance(engine_handle) -> float:
 @contextlib.contextmanager
 def serve_in_thread(app) -> Iterator[str]:
     """Serve an ASGI app with uvicorn on a free port in a background thread."""
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,16 +25,13 @@ from pathlib import Path
 import httpx
 import yaml
 
+from gateway.serve_env import free_port
+
 A, B = "tiny-a", "tiny-b"
 APP_A, APP_B = "model-tiny-a", "model-tiny-b"
 PROMPT = "The capital of France is"
 TOKENS = 8
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve_config(http_port: int, a_dir: Path, b_dir: Path, with_b: bool) -> dict:
@@ -194,7 +190,7 @@ def main() -> None:
     tokenizer = Path(local_model_dir(f"embedded:{EMBEDDED_MODEL_NAME}") or "")
     a_dir, b_dir = build_tiny("llama", tmp / "a", tokenizer), build_tiny("llama-tied", tmp / "b",
                                                                           tokenizer)
-    dashboard_port, http_port = _free_port(), _free_port()
+    dashboard_port, http_port = free_port(), free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"llm_gateway_cpu_engine": 1},
         "include_dashboard": True, "dashboard_port": dashboard_port})

@@ -7,9 +7,9 @@ from collections.abc import Mapping, Sequence
 import httpx
 import pytest
 
-from tests.serve_session import APP_NAME, MAX_REQUEST_BYTES, MODEL, _free_port
+from tests.serve_session import APP_NAME, MAX_REQUEST_BYTES, MODEL
 
-__all__ = ["APP_NAME", "MAX_REQUEST_BYTES", "MODEL", "_free_port", "assert_greedy_or_near_tie"]
+__all__ = ["APP_NAME", "MAX_REQUEST_BYTES", "MODEL", "assert_greedy_or_near_tie"]
 
 
 def assert_greedy_or_near_tie(tokens: Sequence, tops: Sequence[Mapping], reference: Sequence,

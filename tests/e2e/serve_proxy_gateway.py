@@ -14,7 +14,8 @@ import time
 
 import httpx
 
-from tests.e2e.cluster_models import _free_port, _wait
+from gateway.serve_env import free_port
+from tests.e2e.cluster_models import _wait
 
 PROMPT = "The capital of France is"
 TOKENS = 12
@@ -122,7 +123,7 @@ def main() -> None:
     from gateway.config import GatewayConfig
 
     model = EMBEDDED_MODEL_NAME
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     ray.init(address=cluster.address, log_to_driver=False)

@@ -19,15 +19,11 @@ import pytest
 
 from gateway import haproxy_errors
 from gateway.haproxy_errors import OWN_MARK, real_binary, shape_config
+from gateway.serve_env import free_port
 from gateway.shapes import DIED, RESTARTING, ErrorShapes
 
 SHAPES = ErrorShapes.of_every_protocol()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nsuccess"
@@ -110,8 +106,8 @@ def _render(directory: str, port: int, apps: dict[str, int]) -> str:
     from ray.serve.config import HTTPOptions
 
     cfg = HAProxyConfig(socket_path=os.path.join(directory, "admin.sock"),
-                        enable_hap_optimization=False, stats_port=_free_port(),
-                        metrics_port=_free_port(), metrics_enabled=False,
+                        enable_hap_optimization=False, stats_port=free_port(),
+                        metrics_port=free_port(), metrics_enabled=False,
                         http_options=HTTPOptions(host="127.0.0.1", port=port))
     backends = {prefix: BackendConfig(name=f"http-app{i}", path_prefix=prefix, app_name=f"app{i}",
                                       servers=[ServerConfig(f"r{i}", "127.0.0.1", server_port)])
@@ -126,8 +122,8 @@ def haproxy_and_slow(tmp_path_factory):
     """HAProxy started as Serve starts it, through the launcher, for: /gw (no replica up),
     /dying (a replica that closes every request)."""
     directory = str(tmp_path_factory.mktemp("haproxy"))
-    dying, slow, port = _DyingReplica(), _SlowReplica(), _free_port()
-    config = _render(directory, port, {"/gw": _free_port(), "/dying": dying.port,
+    dying, slow, port = _DyingReplica(), _SlowReplica(), free_port()
+    config = _render(directory, port, {"/gw": free_port(), "/dying": dying.port,
                                        "/slow": slow.port})
     serves_proxy = _ServesProxy()
     env = {**os.environ, haproxy_errors.BINARY_VAR: real_binary(),

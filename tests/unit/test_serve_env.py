@@ -1,6 +1,7 @@
 """gateway/serve_env.py: the one place that says which environment Ray must start with."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,13 @@ def test_a_second_instance_gets_haproxy_files_and_ports_of_its_own():
              env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"]}
     assert len(ports) == 3 and not ports & {"8404", "9101", "8500"}
     assert serve_env.separate_haproxy({})["RAY_SERVE_HAPROXY_SOCKET_PATH"] != socket_path
+
+
+def test_a_free_port_is_bindable_and_outside_the_kernels_ephemeral_range():
+    # An ephemeral port we released can be taken by any outgoing connection before our server
+    # binds it; a port below the range cannot.
+    low, _ = (int(n) for n in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = {serve_env.free_port() for _ in range(20)}
+    assert all(20000 <= port < low for port in ports), ports
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", ports.pop()))
