@@ -3,14 +3,15 @@
 Measures greedy decoding (``ignore_eos``) of the same prompt as tokens/s and per-token latency:
 
 - ``hf``: the unsplit HF model in this process, no Ray (a cached greedy loop, one sequence);
-  ``hf-batch4``: ``generate`` over a batch of 4 (what batching, which stages don't do, buys);
+  ``hf-batch``: ``generate`` over a batch of each concurrency above 1;
 - ``pipeline-N``: the ``pipeline`` engine kind with N stage actors (plus the origin's first
-  layer) on a local Ray, through ``EngineHost`` (no HTTP), 1 sequence and 4 concurrent ones;
-- ``vllm``: vLLM's ``AsyncLLM`` in this process, same dtype, 1 and 4 concurrent.
+  layer) on a local Ray, through ``EngineHost`` (no HTTP), at each concurrency;
+- ``vllm``: vLLM's ``AsyncLLM`` in this process, same dtype, at each concurrency.
 
 Usage::
 
-    python bench/pipeline.py [--tokens 64] [--rounds 3] [--stages 1 2 4] [--dtype float32] [--threads 1]
+    python bench/pipeline.py [--tokens 64] [--rounds 3] [--stages 1 2 4] [--concurrency 1 4 16]
+                             [--dtype float32] [--threads 1]
 
 Targets are measured round-robin, ``--rounds`` times, and medians reported: on a shared host the
 speed drifts by tens of percent within minutes, so only side-by-side numbers compare. vLLM sizes
@@ -57,7 +58,7 @@ def _row(name: str, seqs: int, tokens: int, wall: float, per_token: list[float])
 
 class HF:
     """The unsplit model in this process: a cached greedy loop (one sequence) and ``generate``
-    over a batch of 4."""
+    over a batch."""
 
     def __init__(self, path: str, dtype):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,12 +81,12 @@ class HF:
                 out = self.model(nxt.view(1, 1), past_key_values=cache, use_cache=True)
             return time.perf_counter() - start, [b - a for a, b in itertools.pairwise(stamps)]
 
-    def batch4(self, tokens: int) -> float:
+    def batch(self, tokens: int, size: int) -> float:
         import torch
 
         start = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(torch.tensor([self.ids] * 4), max_new_tokens=tokens,
+            self.model.generate(torch.tensor([self.ids] * size), max_new_tokens=tokens,
                                 min_new_tokens=tokens, do_sample=False,
                                 pad_token_id=self.tok.eos_token_id)
         return time.perf_counter() - start
@@ -153,7 +154,7 @@ def run_all(args) -> list[dict]:
         vllm = VLLMEngine(ModelConfig(name="m", source=path, engine_args={
             "dtype": args.dtype, "max_model_len": 2048}))
         pipes["vllm"] = (vllm, EngineHost(vllm))
-    runs: dict[str, list] = {"hf": [], "hf-batch4": []}
+    runs: dict[str, list] = {"hf": [], "hf-batch": []}
 
     async def rounds() -> None:
         for _, host in pipes.values():
@@ -163,10 +164,12 @@ def run_all(args) -> list[dict]:
         for _ in range(args.rounds):
             wall, steps = hf.single(t)
             runs["hf"].append((1, t, wall, steps))
-            runs["hf-batch4"].append((4, 4 * t, hf.batch4(t), []))
+            for seqs in args.concurrency:
+                if seqs > 1:
+                    runs["hf-batch"].append((seqs, seqs * t, hf.batch(t, seqs), []))
             for key, (_, host) in pipes.items():
                 name = key if key == "vllm" else f"pipeline-{key}"
-                for seqs in (1, 4):
+                for seqs in args.concurrency:
                     wall, steps = await _drive(host, t, seqs, name)
                     runs.setdefault(name, []).append((seqs, seqs * t, wall, steps))
 
@@ -179,11 +182,28 @@ def run_all(args) -> list[dict]:
     return [row for name, r in runs.items() for row in _merge(name, r)]
 
 
+def _ratios(rows: list[dict]) -> None:
+    """Per row: per-token latency against the unsplit loop (one sequence), throughput against
+    the same target's single sequence and against vLLM's at the same concurrency."""
+    hf = next(r for r in rows if r["target"] == "hf")
+    by = {(r["target"], r["sequences"]): r for r in rows}
+    for row in rows:
+        if row["per_token_ms_p50"] and row["sequences"] == 1:
+            row["per_token_vs_hf"] = round(row["per_token_ms_p50"] / hf["per_token_ms_p50"], 3)
+        single = by.get((row["target"], 1))
+        if single and row["sequences"] > 1:
+            row["throughput_vs_single"] = round(row["tokens_per_s"] / single["tokens_per_s"], 2)
+        vllm = by.get(("vllm", row["sequences"]))
+        if vllm and row["target"] != "vllm":
+            row["throughput_vs_vllm"] = round(row["tokens_per_s"] / vllm["tokens_per_s"], 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the HF process, the origin and each stage")
@@ -194,25 +214,19 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     rows = run_all(args)
-    hf = next(r for r in rows if r["target"] == "hf")
-    for row in rows:
-        if row["per_token_ms_p50"] and row["sequences"] == 1:
-            row["per_token_vs_hf"] = round(row["per_token_ms_p50"] / hf["per_token_ms_p50"], 3)
-        single = next((r for r in rows if r["target"] == row["target"] and r["sequences"] == 1),
-                      None)
-        if single and row["sequences"] == 4:
-            row["throughput_vs_single"] = round(row["tokens_per_s"] / single["tokens_per_s"], 2)
+    _ratios(rows)
     meta = {"cpu_flags": _cpu_flags(), "cores": os.cpu_count(), "dtype": args.dtype,
             "threads": args.threads, "tokens": args.tokens, "torch": torch.__version__,
             "command": "python " + " ".join(sys.argv)}
     out = ROOT / "bench" / "results" / "pipeline.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(json.dumps(meta))
-    print(f"{'target':<12} {'seqs':>4} {'tok/s':>8} {'ms/tok p50':>10} {'vs hf':>6} {'x single':>8}")
+    print(f"{'target':<12} {'seqs':>4} {'tok/s':>8} {'ms/tok p50':>10} {'vs hf':>6} "
+          f"{'x single':>8} {'x vllm':>6}")
     for r in rows:
         print(f"{r['target']:<12} {r['sequences']:>4} {r['tokens_per_s']:>8} "
               f"{r['per_token_ms_p50'] or '-':>10} {r.get('per_token_vs_hf', '-'):>6} "
-              f"{r.get('throughput_vs_single', '-'):>8}")
+              f"{r.get('throughput_vs_single', '-'):>8} {r.get('throughput_vs_vllm', '-'):>6}")
 
 
 if __name__ == "__main__":

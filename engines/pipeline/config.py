@@ -29,8 +29,9 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """``stages``: ``[start, end)`` layer ranges, one per stage actor, covering every layer
     after the origin's; unset → ``num_stages`` even ranges. ``origin_layers``: the first layers,
     kept in the replica so stages never see embedding rows (invertible to tokens).
-    ``prefill_chunk``: prompt tokens per stage call. ``max_sequences``: sequences in flight at
-    once (more wait in the replica). ``max_restarts``: stage failures survived per request.
+    ``prefill_chunk``: prompt tokens of one sequence per micro-batch. ``max_batch_tokens``: tokens
+    of all sequences per micro-batch. ``max_sequences``: sequences running at once, batched
+    together (more wait in the replica). ``max_restarts``: stage failures survived per request.
     ``digest``: blake2b per hop, checked on receipt. ``device``: where the origin and the stages
     compute (``cuda`` stages need ``stage_num_gpus``); activations cross in host memory.
     ``placement_strategy``: a placement group with one bundle per stage (``STRICT_SPREAD``: each
@@ -41,6 +42,7 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_stages: int = 2
     origin_layers: int = 1
     prefill_chunk: int = 32
+    max_batch_tokens: int = 256
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     device: Literal["cpu", "cuda"] = "cpu"
@@ -51,14 +53,14 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     origin_threads: int | None = None
     placement_strategy: Strategy | None = None
     stage_resources: list[dict[str, float]] | None = None
-    max_sequences: int = 8
+    max_sequences: int = 16
     max_restarts: int = 2
     digest: bool = False
     cache_ttl_s: float = 600.0
-    step_timeout_s: float = 60.0  # per chunk in flight; a hung stage is killed and respawned
+    step_timeout_s: float = 60.0  # per micro-batch in flight; a hung stage is respawned
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "prefill_chunk", "max_sequences"):
+        for name in ("num_stages", "prefill_chunk", "max_batch_tokens", "max_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("origin_layers", "max_restarts"):

@@ -3,7 +3,8 @@
 The replica holds the tokenizer, the embedding, the first ``origin_layers`` layers, the final
 norm, the head and the sampler; stage actors hold the other layers (``RayStages``). Every
 protocol works on it unchanged because it yields the same events as any kind. Each choice is
-its own sequence in the pipe; up to ``max_sequences`` run at once, so stages overlap work.
+its own sequence in the pipe (``choice.Choice``); up to ``max_sequences`` run at once, batched
+into micro-batches by the origin's scheduler (``origin.Origin``).
 """
 
 from __future__ import annotations
@@ -19,26 +20,21 @@ from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import ModelConfig
 from engines.embedded import resolve_model_source
+from engines.pipeline.choice import Choice
 from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, plan_stages
-from engines.pipeline.origin import Origin, PipelineFailure, RayStages, Sequence, Stages
-from engines.pipeline.sampling import Sampler
-from engines.pipeline.text import OutputText
+from engines.pipeline.origin import Job, Origin, PipelineFailure
+from engines.pipeline.stages import RayStages, Stages
 from engines.tokens import prompt_char_limit, render_prompt
 from protocols.internal import (
     Capabilities,
     ErrorEvent,
     Event,
-    FinalEvent,
-    FinishReason,
     GenerateRequest,
     ModelInfo,
     Prompt,
     PromptEvent,
     PromptToken,
-    Timings,
-    TokenEvent,
     TopLogprob,
-    Usage,
 )
 from protocols.pump import Pump
 
@@ -77,11 +73,13 @@ class PipelineEngine:
                              prefill_chunk=self.args.prefill_chunk,
                              max_restarts=self.args.max_restarts, check_digest=self.args.digest,
                              device=self.args.device, threads=self.args.origin_threads,
-                             step_timeout_s=self.args.step_timeout_s)
+                             step_timeout_s=self.args.step_timeout_s,
+                             max_batch_tokens=self.args.max_batch_tokens)
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        vocab_size = parts.head_weight.shape[0]
-        limit = self.args.max_model_len or min(tcfg.max_position_embeddings, 4096)
+        self.vocab_size = vocab_size = parts.head_weight.shape[0]
+        self.max_model_len = limit = (self.args.max_model_len
+                                      or min(tcfg.max_position_embeddings, 4096))
         self._info = ModelInfo(
             name=config.name, root=self.model_path, max_model_len=limit, vocab_size=vocab_size,
             eos_token_id=self.tokenizer.eos_token_id, engine=config.engine, dtype=self.args.dtype,
@@ -143,106 +141,27 @@ class PipelineEngine:
 
     async def _choice(self, request: GenerateRequest, admitted: Admitted, index: int,
                       started: float, prompt_out: asyncio.Event | None) -> AsyncIterator[Event]:
-        s, out = request.sampling, request.output
-        prompt_ids = admitted.prompt_ids
+        out = request.output
         want_prompt = index == 0 and (out.echo or out.prompt_logprobs is not None)
-        seq = Sequence(seq_id=f"{request.request_id}/{index}", tokens=list(prompt_ids))
-        sampler = Sampler(s, prompt_ids, self.eos_ids, self._info.vocab_size, seed_offset=index)
-        text = OutputText(self.tokenizer, prompt_ids, out.skip_special_tokens, s.stop,
-                          s.include_stop_str_in_output)
         waiting = time.monotonic()
         async with self._slots:
-            queue_s = time.monotonic() - waiting
+            choice = Choice(self, request, admitted, index, started, time.monotonic() - waiting)
             self.live += 1
-            try:
-                try:
-                    hidden = await self.origin.hidden(seq, every=want_prompt)
-                    if want_prompt:
-                        yield await self.origin.run(self._prompt_event, prompt_ids, hidden,
-                                                    out.prompt_logprobs)
-                        hidden = [hidden[-1][:, -1:]]
-                    if prompt_out is not None:
-                        prompt_out.set()
-                    first_token_at: float | None = None
-                    generated = 0
-                    while True:
-                        # Sampling, the stop checks and the next step's submission in one go
-                        # on the origin thread: the stages start on the next token while this
-                        # one is streamed.
-                        generated += 1
-                        token, logprobs, reason, stop_reason, delta, piece, pending = (
-                            await self.origin.run(self._step, seq, sampler, text, hidden[-1],
-                                                  out.logprobs, s, generated,
-                                                  admitted.max_tokens))
-                        now = time.monotonic()
-                        first_token_at = first_token_at or now
-                        yield TokenEvent(
-                            index=index, token_id=token, text=delta,
-                            logprob=logprobs.token_logprob if logprobs else None,
-                            top_logprobs=self._top(logprobs),
-                            special=token in self.special_ids,
-                            token_text=self.tokenizer.decode([token]) if logprobs else None,
-                            piece=piece if out.token_pieces else None,
-                            last=reason is not None, elapsed_s=now - started,
-                            batch_size=self.live, queue_s=queue_s if generated == 1 else None)
-                        if reason is not None:
-                            yield FinalEvent(
-                                index=index, finish_reason=reason, stop_reason=stop_reason,
-                                usage=Usage(prompt_tokens=len(prompt_ids),
-                                            completion_tokens=generated),
-                                timings=Timings(queue_s=queue_s, ttft_s=first_token_at - started,
-                                                decode_s=now - first_token_at),
-                                text=text.flush() if stop_reason is None or
-                                isinstance(stop_reason, int) else "")
-                            return
-                        hidden = await self.origin.hidden(seq, pending=pending)
-                except PipelineFailure as exc:
-                    log.error("%s: %s", seq.seq_id, exc)
-                    yield ErrorEvent(kind="engine", message=str(exc))
+            try:  # the origin frees the caches however this ends (a disconnect, a deadline)
+                steps = self.origin.generate(Job(choice.seq, choice.step, every=want_prompt))
+                async with contextlib.aclosing(steps):
+                    async for events in steps:
+                        for event in events:
+                            yield event
+                        if prompt_out is not None:
+                            prompt_out.set()
+            except PipelineFailure as exc:
+                log.error("%s: %s", choice.seq.seq_id, exc)
+                yield ErrorEvent(kind="engine", message=str(exc))
             finally:
                 self.live -= 1
-                await self.origin.release(seq.seq_id)  # completion, error, disconnect, deadline
 
-    def _advance(self, token: int, text: OutputText, s, generated: int, max_tokens: int,
-                 length: int) -> tuple[FinishReason | None, str | int | None, str, str]:
-        """Why the choice ends after ``token`` (or None), the stop reason, the text delta to
-        send and the token's own piece of text."""
-        stop_id = token in s.stop_token_ids
-        if stop_id or (token in self.eos_ids and not s.ignore_eos):
-            # A stop token's text is output only with include_stop_str_in_output (vLLM); the
-            # model's extra EOS ids (generation config) count as EOS.
-            if s.include_stop_str_in_output:
-                piece, delta, _ = text.add(token, check_stops=False)
-            else:
-                piece, delta = text.piece(token), ""
-            if stop_id:
-                return "stop_sequence", token, delta, piece
-            return "eos", None if token == self.tokenizer.eos_token_id else token, delta, piece
-        piece, delta, stop = text.add(token, check_stops=generated >= s.min_tokens)
-        if stop is not None:
-            return "stop_sequence", stop, delta, piece
-        if generated >= max_tokens or length >= self._info.max_model_len:
-            return "length", None, delta, piece
-        return None, None, delta, piece
-
-    def _step(self, seq: Sequence, sampler: Sampler, text: OutputText, hidden, logprobs,
-              s, generated: int, max_tokens: int):
-        """On the origin thread: sample the next token, see whether it ends the choice, and if
-        not, start it through the stages."""
-        token, step_logprobs = sampler.sample(self.origin.logits(hidden)[-1], logprobs)
-        seq.tokens.append(token)
-        reason, stop_reason, delta, piece = self._advance(token, text, s, generated, max_tokens,
-                                                          len(seq.tokens))
-        pending = self.origin.submit(seq) if reason is None else None
-        return token, step_logprobs, reason, stop_reason, delta, piece, pending
-
-    def _top(self, logprobs) -> tuple[TopLogprob, ...]:
-        if not logprobs:
-            return ()
-        return tuple(TopLogprob(token_id=t, text=self.tokenizer.decode([t]), logprob=lp)
-                     for t, lp in logprobs.top)
-
-    def _prompt_event(self, prompt_ids: list[int], hidden_chunks: list[Any],
+    def prompt_event(self, prompt_ids: list[int], hidden_chunks: list[Any],
                       k: int | None) -> PromptEvent:
         """Per prompt position: the logprob of that token given the ones before (none for the
         first), and the top ``k`` alternatives; computed chunk by chunk to bound memory."""

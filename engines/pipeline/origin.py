@@ -1,229 +1,121 @@
-"""The origin's side of a pipe: embedding, its own first layers, the chain of stage calls, the
-final norm and head, and the restart path when a stage dies or a cache stops lining up.
+"""The origin's side of a pipe: a scheduler that batches every running sequence's next tokens into
+micro-batches, the embedding and its own first layers, the final norm and head over a whole
+micro-batch, and the restart path when a stage dies or a cache stops lining up
+(docs/protocols/pipeline.md, "Batching").
 
-Activations go stage → stage by chaining Ray ObjectRefs: the origin submits every stage's call
-at once and awaits only the last one, so nothing returns through the origin between stages,
-and one sequence's prefill chunks (or other sequences' steps) keep every stage busy.
+Each :class:`Job` is one sequence. The scheduler's launcher takes waiting jobs into a
+micro-batch (decode tokens and prefill chunks, up to ``max_batch_tokens``) and keeps up to the
+pipe's ``depth`` micro-batches in flight, so no stage idles while another computes; its
+collector takes them back in order, computes the logits of every sequence that completed its
+tokens in one matmul, and calls each job's ``step`` (sampling) on the origin thread. A job whose
+step did not end it is waiting again at once, with the rest of its micro-batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 from engines.pipeline.loading import OriginParts
 from engines.pipeline.stage import CacheMismatch, Hop, StageCore, digest
+from engines.pipeline.stages import Resolved, Stages
 
-__all__ = ["LocalStages", "Origin", "PipelineFailure", "RayStages", "Resolved", "Sequence",
-           "StageTimeout", "Stages"]
+__all__ = ["Job", "Origin", "PipelineFailure", "Sequence", "StageTimeout", "StepFn"]
 
 log = logging.getLogger(__name__)
 
-_RESPAWN_S = 600.0  # a respawned stage loads its weights; longer means it cannot be placed
+# Results a job may hold undelivered: a slow reader stops its own sequence there, not the batch.
+OUTBOX = 8
 
 
 class StageTimeout(RuntimeError):
-    """A step did not come back from the stages in time (a hung stage): restart path."""
+    """A micro-batch did not come back from the stages in time (a hung stage): restart path."""
 
 
 class PipelineFailure(RuntimeError):
     """A sequence lost its stages more often than ``max_restarts`` allows."""
 
 
-class Stages(Protocol):
-    """The stage actors of one pipe, as the origin drives them."""
-
-    failures: tuple[type[BaseException], ...]  # what the restart path handles
-    cancelled: tuple[type[BaseException], ...]  # how the transport reports our own cancellation
-
-    def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
-        """Run ``hop`` through every stage in order; await the result of the last."""
-        ...
-
-    def free(self, seq_id: str) -> None: ...
-
-    async def recover(self, patience: float = 60.0) -> None:
-        """Respawn dead or unresponsive (``patience`` s) stages, same range and placement, and
-        wait until they are ready; TimeoutError when a respawn does not come up."""
-        ...
-
-    async def check(self, busy: bool = False) -> None: ...
-
-
-class Resolved:
-    """An awaitable that is already done (a hop, or the error computing it raised); unlike an
-    asyncio future it can be made on any thread."""
-
-    def __init__(self, hop: Hop | None = None, error: BaseException | None = None):
-        self.hop, self.error = hop, error
-
-    def __await__(self):
-        if self.error is not None:
-            raise self.error
-        return self.hop
-        yield  # a generator: `await` drives it
-
-
-class LocalStages:
-    """Stages as in-process :class:`StageCore` s (tests, a box without Ray)."""
-
-    failures: tuple[type[BaseException], ...] = (CacheMismatch,)
-    cancelled: tuple[type[BaseException], ...] = ()
-
-    def __init__(self, cores: list[StageCore]):
-        self.cores = cores
-
-    def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
-        try:
-            for core in self.cores:
-                hop = core.forward(hop, check)
-        except Exception as exc:
-            return Resolved(error=exc)
-        return Resolved(hop)
-
-    def free(self, seq_id: str) -> None:
-        for core in self.cores:
-            core.free(seq_id)
-
-    async def recover(self, patience: float = 60.0) -> None:
-        return None
-
-    async def check(self, busy: bool = False) -> None:
-        return None
-
-
-class RayStages:
-    """One Ray actor per layer range, placed by a placement group or custom resources."""
-
-    def __init__(self, model_dir: str, ranges: list[tuple[int, int]], args: Any,
-                 label: str = "pipeline"):
-        import ray
-        from ray.exceptions import ObjectLostError, RayActorError, TaskCancelledError
-
-        from engines.pipeline.stage import stage_actor_class
-
-        self.failures = (CacheMismatch, RayActorError, ObjectLostError)
-        self.cancelled = (TaskCancelledError,)
-        self.model_dir, self.ranges, self.args = model_dir, ranges, args
-        self.label = label
-        self._spawned = 0
-        self._cls = stage_actor_class()
-        self._group = None
-        if args.placement_strategy is not None:
-            from ray.util.placement_group import placement_group
-
-            bundle = {"CPU": args.stage_num_cpus}
-            if args.stage_num_gpus:
-                bundle["GPU"] = args.stage_num_gpus
-            self._group = placement_group([dict(bundle) for _ in ranges],
-                                          strategy=args.placement_strategy)
-            ray.get(self._group.ready(), timeout=300)
-        self.actors = [self._spawn(i) for i in range(len(ranges))]
-        ray.get([a.where.remote() for a in self.actors])  # weights loaded, or fail now
-        # One recovery at a time: concurrent sequences that saw the same death respawn once.
-        self._recovering = asyncio.Lock()
-
-    def _spawn(self, i: int):
-        options: dict[str, Any] = {"num_cpus": self.args.stage_num_cpus,
-                                   "num_gpus": self.args.stage_num_gpus}
-        if self._group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self._group, placement_group_bundle_index=i)
-        elif self.args.stage_resources is not None:
-            options["resources"] = self.args.stage_resources[i]
-        start, end = self.ranges[i]
-        # Named (unique per spawn) so operators and tests can find a stage in `ray list actors`.
-        self._spawned += 1
-        options["name"] = f"{self.label}:stage{i}:{start}-{end}:{id(self):x}.{self._spawned}"
-        return self._cls.options(**options).remote(
-            self.model_dir, start, end, self.args.dtype, self.args.attn_implementation,
-            self.args.stage_threads, self.args.cache_ttl_s, self.args.device)
-
-    def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
-        ref: Any = hop
-        for actor in self.actors:
-            ref = actor.forward.remote(ref, check)
-        return ref
-
-    def free(self, seq_id: str) -> None:
-        for actor in self.actors:
-            actor.free.remote(seq_id)  # fire and forget; a dead stage has nothing to free
-
-    async def recover(self, patience: float = 60.0) -> None:
-        async with self._recovering:
-            from ray.exceptions import RayActorError
-
-            for i, actor in enumerate(self.actors):
-                try:
-                    await asyncio.wait_for(actor.where.remote(), patience)
-                    continue
-                except (RayActorError, TimeoutError):
-                    pass
-                log.warning("stage %d %s is gone or hung; respawning it", i, self.ranges[i])
-                import ray
-
-                ray.kill(actor, no_restart=True)
-                self.actors[i] = self._spawn(i)
-                await asyncio.wait_for(self.actors[i].where.remote(), _RESPAWN_S)
-
-    async def check(self, busy: bool = False) -> None:
-        """Every stage answers, or is respawned. A stage answers in order, after the steps
-        queued before (one call at a time), so while sequences are in flight (``busy``) a slow
-        answer is not a failure: a hung stage is caught by the step timeout instead."""
-        from ray.exceptions import RayActorError
-
-        try:
-            await asyncio.gather(*(asyncio.wait_for(a.where.remote(), 30) for a in self.actors))
-        except RayActorError:
-            await self.recover()
-        except TimeoutError:
-            if not busy:
-                raise
-        for actor in self.actors:  # the health check's period drives the orphan sweep
-            actor.sweep.remote()
-
-    async def where(self) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(a.where.remote() for a in self.actors)))
-
-
 @dataclass
 class Sequence:
-    """One sequence as the origin tracks it: every token (prompt and output) and how many of
-    them the pipe's caches hold."""
+    """One sequence as the origin tracks it: every token (prompt and output), how many of them
+    were sent into the pipe, and how many the pipe's caches hold."""
 
     seq_id: str
     tokens: list[int]
     cached: int = 0
+    sent: int = 0  # ahead of ``cached`` while a chunk is in flight
     restarts: int = 0
 
 
+# On the origin thread: the last position's logits ``[vocab]`` (float32) and, on a job's first
+# step when it asked for ``every``, the hidden states of every prompt position (chunks
+# ``[1, n, H]``, in order) → what to deliver, and whether the sequence is done. It appends the
+# next token to ``seq.tokens`` when it goes on.
+StepFn = Callable[[Any, list[Any] | None], tuple[Any, bool]]
+
+
+@dataclass(eq=False)
+class Job:
+    """One sequence as the scheduler drives it (see :data:`StepFn`)."""
+
+    seq: Sequence
+    step: StepFn
+    every: bool = False
+    outbox: deque = field(default_factory=deque)  # (payload, done) results, or an exception
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    prompt_hidden: list[Any] = field(default_factory=list)
+    epoch: int = 0  # restarts: results of micro-batches sent before one are void
+    stepped: bool = False
+    parked: bool = False  # its outbox is full: not waiting until the reader takes one
+    closed: bool = False
+
+
+@dataclass
+class _Member:
+    job: Job
+    epoch: int
+    start: int
+    end: int
+
+
+@dataclass
+class _Batch:
+    result: Any  # awaitable Hop
+    members: list[_Member]
+
+
 class Origin:
-    """Runs sequences through the origin's parts and the stages, and restarts them from their
-    tokens when the stages fail. Torch work runs on one thread, off the event loop."""
+    """Runs jobs through the origin's parts and the stages, in micro-batches, and restarts a
+    job's sequence from its tokens when the stages fail. Torch work runs on one thread."""
 
     def __init__(self, parts: OriginParts, origin_layers: int, stages: Stages, *,
                  prefill_chunk: int, max_restarts: int, check_digest: bool, device: str = "cpu",
-                 threads: int | None = None, step_timeout_s: float = 60.0):
+                 threads: int | None = None, step_timeout_s: float = 60.0,
+                 max_batch_tokens: int = 256):
         self.parts = parts
-        self.own = (StageCore(parts.layers, 0, origin_layers, device=device)
+        self.own = (StageCore(parts.layers, 0, origin_layers, device=device, host_hops=False)
                     if parts.layers is not None else None)
         self.step_timeout_s = step_timeout_s
         self.stages = stages
         self.prefill_chunk = prefill_chunk
+        self.max_batch_tokens = max(max_batch_tokens, 1)
         self.max_restarts = max_restarts
         self.check = check_digest
         self.device = device
         self.restarts = 0  # over the origin's life (metrics, tests)
-        self.in_flight = 0  # stage chunks submitted and not yet collected, all sequences
+        self.batches = 0  # micro-batches sent (tests, metrics)
         self._threads = threads
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pipeline-origin",
                                         initializer=self._init_thread)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _init_thread(self) -> None:
         if self._threads:
@@ -234,83 +126,234 @@ class Origin:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def submit(self, seq: Sequence) -> list[Awaitable[Hop]]:
-        """Start ``seq``'s tokens that the caches don't hold yet through the pipe, in prefill
-        chunks (pipelined: nothing waits between them). Runs on the origin's thread, not the
-        request's task: Ray Serve cancels a cancelled request's child tasks, and a cancelled,
-        never-run stage call would leave that actor's in-order queue waiting for it."""
-        start, tokens, pending = seq.cached, seq.tokens, []
-        while start < len(tokens):
-            end = min(start + self.prefill_chunk, len(tokens))
-            try:  # the origin's own layers guard positions too: a mismatch is a restart
-                hop = self._embed(seq.seq_id, tokens[start:end], start)
-            except CacheMismatch as exc:
-                return [Resolved(error=exc)]
-            pending.append(self.stages.submit(hop, self.check))
-            start = end
-        return pending
+    # --- jobs ---------------------------------------------------------------------------
 
-    async def hidden(self, seq: Sequence, every: bool = False,
-                     pending: list[Awaitable[Hop]] | None = None) -> list[Any]:
-        """Final hidden states of ``seq``'s tokens the caches don't hold yet (``pending``: the
-        calls :meth:`submit` already started for them): the last position only, or
-        (``every``) every chunk's. On a stage failure, restarts from position 0."""
-        while True:
-            try:
-                if pending is None:
-                    pending = await self.run(self.submit, seq)
-                out = await self._collect(pending, every)
-                seq.cached = len(seq.tokens)
-                return out
-            except self.stages.cancelled as exc:  # still our own cancellation
-                raise asyncio.CancelledError() from exc
-            except (*self.stages.failures, StageTimeout) as exc:
-                seq.restarts += 1
-                self.restarts += 1
-                await self.release(seq.seq_id)
-                if seq.restarts > self.max_restarts:
-                    raise PipelineFailure(f"the pipeline failed {seq.restarts} times on this "
-                                          f"request (last: {type(exc).__name__})") from exc
-                log.warning("restarting %s from its %d tokens after %r", seq.seq_id,
-                            len(seq.tokens), exc)
-                try:
-                    await self.stages.recover(self._patience())
-                except TimeoutError as timeout:
-                    raise PipelineFailure("a respawned stage did not come up") from timeout
-                seq.cached, pending = 0, None
-
-    def _patience(self) -> float:
-        """How long a stage may take to answer: a step queues behind every chunk in flight
-        (all sequences'), so the allowance grows with them."""
-        return self.step_timeout_s * max(1, self.in_flight)
-
-    async def _collect(self, pending: list[Awaitable[Hop]], every: bool) -> list[Any]:
-        self.in_flight += len(pending)
+    async def generate(self, job: Job) -> AsyncIterator[Any]:
+        """Run ``job`` until its step says done: each step's payload, in order. Raises
+        :class:`PipelineFailure` when its sequence cannot be run. Closing it early (a client
+        gone, a deadline) frees the sequence's caches everywhere."""
+        self._ensure_running()
+        self._jobs.add(job)
+        self._enqueue(job)
         try:
-            async with asyncio.timeout(self._patience()):
-                hops = await asyncio.gather(*pending) if every else [await pending[-1]]
-        except TimeoutError:
-            raise StageTimeout(f"no answer from the stages in {self._patience():.0f} s") from None
+            while True:
+                while not job.outbox:
+                    job.ready.clear()
+                    await job.ready.wait()
+                item = job.outbox.popleft()
+                if isinstance(item, BaseException):
+                    raise item
+                if job.parked:
+                    job.parked = False
+                    self._enqueue(job)
+                payload, done = item
+                yield payload
+                if done:
+                    return
         finally:
-            self.in_flight -= len(pending)
-        for hop in hops:
-            if self.check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id,
-                                                   hop.step):
-                raise CacheMismatch(f"digest mismatch on the way back for {hop.seq_id}")
-        return [hop.hidden for hop in hops] if every else [hops[-1].hidden[:, -1:]]
+            job.closed = True
+            self._jobs.discard(job)
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(job)
+            await self.release(job.seq.seq_id)
 
-    def _embed(self, seq_id: str, ids: list[int], start: int) -> Hop:
+    def _enqueue(self, job: Job) -> None:
+        if not job.closed and job not in self._waiting:
+            self._waiting.append(job)
+            self._wake.set()
+
+    def _deliver(self, job: Job, item: Any) -> None:
+        job.outbox.append(item)
+        job.ready.set()
+
+    # --- the scheduler --------------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        """The launcher and the collector, started in this loop (again after a new loop, as in
+        tests). In a fresh context: they outlive the request that happened to start them."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and not any(task.done() for task in self._tasks):
+            return
+        self._loop = loop
+        self._jobs: set[Job] = set()
+        self._waiting: deque[Job] = deque()
+        self._in_flight: deque[_Batch] = deque()
+        self._wake, self._landed = asyncio.Event(), asyncio.Event()
+        context = contextvars.Context()
+        self._tasks = [loop.create_task(self._guarded(self._launch), context=context),
+                       loop.create_task(self._guarded(self._collect), context=context)]
+
+    async def _guarded(self, loop_fn: Callable[[], Any]) -> None:
+        try:
+            await loop_fn()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug here would hang every job: fail them instead
+            log.exception("the pipeline scheduler stopped")
+            for job in list(self._jobs):
+                self._deliver(job, PipelineFailure(f"the pipeline scheduler stopped: {exc!r}"))
+
+    async def _launch(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting and len(self._in_flight) < self.stages.depth:
+                members = self._take()
+                self.batches += 1
+                result, dropped = await self.run(self._send, members, self.batches)
+                self._in_flight.append(_Batch(result, members))
+                self._landed.set()
+                await self._restart_dropped(members, dropped)
+
+    def _take(self) -> list[_Member]:
+        """Waiting jobs for the next micro-batch, oldest first: a share of the running jobs
+        (so ``depth`` micro-batches keep the pipe full), each its next token or prompt chunk,
+        within the token budget. A job with prompt left stays waiting for the next one."""
+        share = max(1, -(-len(self._jobs) // self.stages.depth))
+        budget, members = self.max_batch_tokens, []
+        for job in list(self._waiting):
+            if len(members) == share or budget == 0:
+                break
+            seq = job.seq
+            end = min(len(seq.tokens), seq.sent + min(self.prefill_chunk, budget))
+            members.append(_Member(job, job.epoch, seq.sent, end))
+            budget -= end - seq.sent
+            seq.sent = end
+            if end == len(seq.tokens):
+                self._waiting.remove(job)
+        return members
+
+    def _send(self, members: list[_Member], step: int) -> tuple[Any, dict[str, str]]:
+        """On the origin thread (not a request's task: Ray Serve cancels a cancelled request's
+        child tasks, and a never-run stage call would leave an actor's in-order queue waiting
+        for it): embed, the origin's own layers, then every stage's call."""
         import torch
 
+        ids = [t for m in members for t in m.job.seq.tokens[m.start:m.end]]
+        positions = torch.cat([torch.arange(m.start, m.end) for m in members])
         with torch.inference_mode():
-            positions = torch.arange(start, start + len(ids))
             hidden = self.parts.embed(torch.tensor([ids], device=self.device))
-            hop = Hop(hidden=hidden.cpu(), positions=positions, seq_id=seq_id, step=start)
-            if self.own is not None:
-                hop = self.own.forward(hop)
-            if self.check:
-                hop.digest = digest(hop.hidden, hop.positions, seq_id, start)
-            return hop
+        hop = Hop(hidden, positions, tuple(m.job.seq.seq_id for m in members),
+                  tuple(m.end - m.start for m in members), step)
+        if self.own is not None:  # its own position guard may drop some
+            hop = self.own.forward(hop)
+        if self.stages.host_hops:
+            hop.hidden = hop.hidden.cpu()
+        dropped, hop.dropped = hop.dropped, {}
+        if not hop.seq_ids:
+            return Resolved(hop), dropped
+        return self.stages.submit(hop.sign() if self.check else hop, self.check), dropped
+
+    async def _collect(self) -> None:
+        while True:
+            while not self._in_flight:
+                self._landed.clear()
+                await self._landed.wait()
+            batch = self._in_flight[0]
+            try:
+                hop = await self._receive(batch)
+            except (*self.stages.failures, *self.stages.cancelled, StageTimeout) as exc:
+                self._in_flight.popleft()
+                self._wake.set()
+                await self._restart([m.job for m in batch.members if self._current(m)], exc)
+                continue
+            self._in_flight.popleft()
+            self._wake.set()  # the launcher may send others' tokens while these are sampled
+            results = await self.run(self._finish, batch, hop)
+            for job, item in results:
+                self._deliver(job, item)
+                if isinstance(item, tuple) and not item[1]:
+                    if len(job.outbox) >= OUTBOX:
+                        job.parked = True
+                    else:
+                        self._enqueue(job)
+            await self._restart_dropped(batch.members, hop.dropped)
+
+    async def _receive(self, batch: _Batch) -> Hop:
+        patience = self.step_timeout_s * len(self._in_flight)  # behind every batch before it
+        try:
+            async with asyncio.timeout(patience):
+                hop = await batch.result
+        except TimeoutError:
+            raise StageTimeout(f"no answer from the stages in {patience:.0f} s") from None
+        if self.check and hop.digest != digest(hop):
+            raise CacheMismatch(f"digest mismatch on the way back for micro-batch {hop.step}")
+        return hop
+
+    def _current(self, member: _Member) -> bool:
+        return not member.job.closed and member.epoch == member.job.epoch
+
+    def _finish(self, batch: _Batch, hop: Hop) -> list[tuple[Job, Any]]:
+        """On the origin thread: split the micro-batch's final hidden states by sequence; the
+        logits of every sequence whose tokens are all through, in one matmul; their steps."""
+        rows = dict(zip(hop.seq_ids, hop.hidden.split(list(hop.lengths), dim=1), strict=True))
+        done: list[tuple[Job, Any]] = []
+        for m in batch.members:
+            hidden = rows.get(m.job.seq.seq_id)
+            if hidden is None or not self._current(m):
+                continue
+            m.job.seq.cached = m.end
+            if m.job.every and not m.job.stepped:
+                m.job.prompt_hidden.append(hidden)
+            if m.end == len(m.job.seq.tokens):
+                done.append((m.job, hidden[:, -1:]))
+        if not done:
+            return []
+        import torch
+
+        logits = self.logits(torch.cat([last for _, last in done], dim=1))
+        return [(job, self._step(job, row)) for (job, _), row in zip(done, logits, strict=True)]
+
+    def _step(self, job: Job, logits: Any) -> Any:
+        prompt = job.prompt_hidden if job.every and not job.stepped else None
+        job.stepped = True
+        try:
+            return job.step(logits, prompt)
+        except Exception as exc:  # the job's own bug: that job fails, the batch goes on
+            log.exception("a pipeline step failed for %s", job.seq.seq_id)
+            return PipelineFailure(f"the step failed: {type(exc).__name__}")
+
+    # --- restarts -------------------------------------------------------------------------
+
+    async def _restart_dropped(self, members: list[_Member], dropped: dict[str, str]) -> None:
+        if dropped:
+            lost = [m.job for m in members if m.job.seq.seq_id in dropped and self._current(m)]
+            await self._restart(lost, CacheMismatch(next(iter(dropped.values()))))
+
+    async def _restart(self, jobs: list[Job], exc: BaseException) -> None:
+        """Free these sequences everywhere and send them again from position 0 (after the
+        stages are recovered), or fail the ones past ``max_restarts``."""
+        jobs = [job for job in dict.fromkeys(jobs) if not job.closed]
+        for job in jobs:
+            job.epoch += 1  # what is still in flight for it is void now
+            job.seq.restarts += 1
+            self.restarts += 1
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(job)
+            await self.release(job.seq.seq_id)
+        retry = []
+        for job in jobs:
+            if job.seq.restarts > self.max_restarts:
+                self._deliver(job, PipelineFailure(
+                    f"the pipeline failed {job.seq.restarts} times on this request "
+                    f"(last: {type(exc).__name__})"))
+            else:
+                log.warning("restarting %s from its %d tokens after %r", job.seq.seq_id,
+                            len(job.seq.tokens), exc)
+                retry.append(job)
+        if retry and not isinstance(exc, CacheMismatch):  # a stage may be dead or hung
+            try:
+                await self.stages.recover(self.step_timeout_s)
+            except TimeoutError:
+                for job in retry:
+                    self._deliver(job, PipelineFailure("a respawned stage did not come up"))
+                return
+        for job in retry:
+            job.seq.cached = job.seq.sent = 0
+            job.prompt_hidden.clear()
+            self._enqueue(job)
+
+    # --- the origin's parts ---------------------------------------------------------------
 
     def logits(self, hidden) -> Any:
         """``[T, vocab]`` float32 logits of final hidden states ``[1, T, H]``."""
@@ -320,7 +363,7 @@ class Origin:
             return self.parts.logits(hidden.to(self.device))[0].cpu()
 
     async def release(self, seq_id: str) -> None:
-        """Free ``seq_id`` everywhere, on the origin's thread: after any submission for it that
+        """Free ``seq_id`` everywhere, on the origin thread: after any submission for it that
         is still running there (which would otherwise re-create a cache after the free), and
         shielded, so a second cancellation cannot skip it."""
         await asyncio.shield(self.run(self._release, seq_id))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["CacheMismatch", "Hop", "StageCore", "digest", "stage_actor_class"]
@@ -24,25 +24,61 @@ class CacheMismatch(RuntimeError):
 
 @dataclass
 class Hop:
-    """What crosses from one stage to the next: ``hidden`` ``[1, T, H]`` and the absolute
-    ``positions`` ``[T]`` of this chunk, for sequence ``seq_id``; ``digest`` (optional) covers
-    them and ``step`` so a corrupted or misrouted hop is caught on receipt."""
+    """A micro-batch crossing from one stage to the next: ``hidden`` ``[1, T, H]``, the tokens of
+    every sequence packed end to end (``seq_ids`` and their token counts ``lengths``, in that
+    order), and the absolute ``positions`` ``[T]`` of each token in its own sequence. ``step``
+    numbers the micro-batch; ``dropped`` names the sequences a stage's position guard took out
+    on the way (id → why), each restarted by the origin alone; ``digest`` (optional) covers the
+    rest, so a corrupted or misrouted hop is caught on receipt."""
 
     hidden: Any
     positions: Any
-    seq_id: str
+    seq_ids: tuple[str, ...]
+    lengths: tuple[int, ...]
     step: int
     digest: bytes | None = None
+    dropped: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def single(cls, hidden, positions, seq_id: str, step: int = 0) -> Hop:
+        """One sequence's tokens as a micro-batch of one."""
+        return cls(hidden, positions, (seq_id,), (int(positions.shape[0]),), step)
+
+    def firsts(self) -> list[int]:
+        """Each sequence's first position in this hop."""
+        firsts, start = [], 0
+        for length in self.lengths:
+            firsts.append(int(self.positions[start]))
+            start += length
+        return firsts
+
+    def only(self, keep: list[int]) -> Hop:
+        """The same hop with only the sequences at indices ``keep`` (no digest)."""
+        import torch
+
+        if len(keep) == len(self.seq_ids):
+            return replace(self, digest=None)
+        starts = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
+        rows = [torch.arange(starts[i], starts[i] + self.lengths[i]) for i in keep]
+        index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        return replace(self, hidden=self.hidden[:, index], positions=self.positions[index],
+                       seq_ids=tuple(self.seq_ids[i] for i in keep),
+                       lengths=tuple(self.lengths[i] for i in keep), digest=None)
+
+    def sign(self) -> Hop:
+        self.digest = digest(self)
+        return self
 
 
-def digest(hidden, positions, seq_id: str, step: int) -> bytes:
-    """blake2b of the activation bytes, positions, sequence id and step (transport integrity
+def digest(hop: Hop) -> bytes:
+    """blake2b of the activation bytes, positions, sequences and step (transport integrity
     only: a dishonest stage can still return a steered tensor with a valid digest)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(hidden.contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
-    h.update(positions.contiguous().numpy().tobytes())
-    h.update(seq_id.encode())
-    h.update(step.to_bytes(8, "little"))
+    h.update(hop.hidden.cpu().contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
+    h.update(hop.positions.contiguous().numpy().tobytes())
+    h.update("\0".join(hop.seq_ids).encode())
+    h.update(b"".join(n.to_bytes(8, "little") for n in hop.lengths))
+    h.update(hop.step.to_bytes(8, "little"))
     return h.digest()
 
 
@@ -54,11 +90,18 @@ def _u8():
 
 class StageCore:
     """Layers ``[start, end)`` of a model (a sliced base model, see ``loading``) and their
-    per-sequence caches."""
+    per-sequence caches; a micro-batch runs through them as one forward (``packed``)."""
 
-    def __init__(self, model, start: int, end: int, ttl_s: float = 600.0, device: str = "cpu"):
+    def __init__(self, model, start: int, end: int, ttl_s: float = 600.0, device: str = "cpu",
+                 host_hops: bool = True):
+        from engines.pipeline.packed import use_packed_attention
+
+        use_packed_attention(model)
         self.model = model
-        self.device = device  # where the layers compute; hops travel in host memory
+        self.device = device  # where the layers compute
+        # Hops leave in host memory (for Ray to carry), or stay on the device for a consumer
+        # in this process on the same device (the origin's own layers, in-process stages).
+        self.host_hops = host_hops
         self.start, self.end = start, end
         self.ttl_s = ttl_s
         self.caches: dict[str, Any] = {}
@@ -69,32 +112,44 @@ class StageCore:
     def forward(self, hop: Hop, check: bool = False) -> Hop:
         """Run the layers over ``hop``; the returned hop carries a fresh digest when ``check``.
 
-        The position guard (docs/protocols/pipeline.md): ``first == 0`` or no cache → a new
-        cache; ``first`` equal to the cached length → a normal step; below it → a duplicate,
-        cropped and recomputed; above it → a lost step, :class:`CacheMismatch`.
+        The position guard, per sequence (docs/protocols/pipeline.md): ``first == 0`` or no
+        cache → a new cache; ``first`` equal to the cached length → a normal step; below it → a
+        duplicate, cropped and recomputed; above it → a lost step: that sequence's cache is
+        dropped and it leaves the micro-batch (``dropped``), the others go on.
         """
-        import torch
-
-        if check and hop.digest != digest(hop.hidden, hop.positions, hop.seq_id, hop.step):
-            raise CacheMismatch(f"digest mismatch on {hop.seq_id} step {hop.step}")
-        first = int(hop.positions[0])
+        if check and hop.digest != digest(hop):
+            raise CacheMismatch(f"digest mismatch on micro-batch {hop.step}")
         with self._lock:
             self._maybe_sweep()
+            keep, caches, dropped = [], [], dict(hop.dropped)
+            for i, (seq_id, first) in enumerate(zip(hop.seq_ids, hop.firsts(), strict=True)):
+                try:
+                    caches.append(self._guard(seq_id, first))
+                    keep.append(i)
+                except CacheMismatch as exc:
+                    self._drop(seq_id)
+                    dropped[seq_id] = str(exc)
+            batch = hop.only(keep)
             try:
-                cache = self._guard(hop.seq_id, first)
-                with torch.inference_mode():
-                    out = self.model(inputs_embeds=hop.hidden.to(self.device),
-                                     position_ids=hop.positions.to(self.device)[None],
-                                     past_key_values=cache, use_cache=True).last_hidden_state
-                    out = out.cpu()
+                out = self._layers(batch, caches) if keep else batch.hidden
             except BaseException:
-                # A mismatch or a half-written cache is of no use: the origin restarts from 0.
-                self._drop(hop.seq_id)
+                # A half-written cache is of no use: the origin restarts these from 0.
+                for seq_id in batch.seq_ids:
+                    self._drop(seq_id)
                 raise
-        result = Hop(hidden=out, positions=hop.positions, seq_id=hop.seq_id, step=hop.step)
-        if check:
-            result.digest = digest(out, hop.positions, hop.seq_id, hop.step)
-        return result
+        result = replace(batch, hidden=out, dropped=dropped)
+        return result.sign() if check else result
+
+    def _layers(self, batch: Hop, caches: list[Any]):
+        import torch
+
+        from engines.pipeline.packed import PackedCaches, run_layers
+
+        packed = PackedCaches(caches, list(batch.lengths), batch.firsts())
+        with torch.inference_mode():
+            out = run_layers(self.model, batch.hidden.to(self.device),
+                             batch.positions.to(self.device), packed)
+            return out.cpu() if self.host_hops else out
 
     def _guard(self, seq_id: str, first: int):
         from transformers import DynamicCache

@@ -15,9 +15,9 @@ from engines.host import EngineHost
 from engines.pipeline.config import PipelineArgs, plan_stages
 from engines.pipeline.engine import PipelineEngine
 from engines.pipeline.loading import load_layers
-from engines.pipeline.origin import LocalStages, Resolved
 from engines.pipeline.sampling import Sampler
 from engines.pipeline.stage import CacheMismatch, StageCore
+from engines.pipeline.stages import LocalStages, Resolved
 from engines.pipeline.text import OutputText
 from protocols.internal import (
     ErrorEvent,

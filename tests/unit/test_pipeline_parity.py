@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engines.pipeline.loading import load_layers, load_origin
-from engines.pipeline.origin import LocalStages, Origin, Resolved, Sequence
-from engines.pipeline.stage import CacheMismatch, Hop, StageCore
+from engines.pipeline.origin import Job, Origin, Sequence
+from engines.pipeline.stage import Hop, StageCore
+from engines.pipeline.stages import LocalStages, Resolved
 from tests.pipeline_models import build_tiny
 
 # Stage ranges per model; every Qwen3 stage starts on a sliding-window layer (odd index).
@@ -47,19 +48,22 @@ def _reference(path: Path, attn: str):
                                                 attn_implementation=attn).eval()
 
 
-async def _greedy(origin: Origin, prompt: list[int], steps: int, seq_id: str = "s"):
-    """Greedy decoding through the origin: (tokens, per-step last-position logits)."""
-    seq = Sequence(seq_id=seq_id, tokens=list(prompt))
-    tokens, logits = [], []
-    for _ in range(steps):
-        hidden = await origin.hidden(seq)
-        row = origin.logits(hidden[-1])[-1]
-        logits.append(row)
-        token = int(torch.argmax(row))
-        tokens.append(token)
+def _greedy_step(seq: Sequence, steps: int):
+    """A job's step that picks the argmax and hands back (token, logits row)."""
+
+    def step(logits, _prompt):
+        token = int(torch.argmax(logits))
         seq.tokens.append(token)
-    await origin.release(seq_id)
-    return tokens, torch.stack(logits)
+        return (token, logits), len(seq.tokens) - PROMPT_LEN >= steps
+
+    return step
+
+
+async def _greedy(origin: Origin, prompt: list[int], steps: int, seq_id: str = "s"):
+    """Greedy decoding through the origin's scheduler: (tokens, per-step last-position logits)."""
+    seq = Sequence(seq_id=seq_id, tokens=list(prompt))
+    got = [item async for item in origin.generate(Job(seq, _greedy_step(seq, steps)))]
+    return [token for token, _ in got], torch.stack([row for _, row in got])
 
 
 def _prompt(vocab: int) -> list[int]:
@@ -121,19 +125,21 @@ async def test_duplicated_steps_are_cropped_and_recomputed(tmp_path):
     assert tokens == plain and origin.restarts == 0
 
 
-def test_a_lost_step_and_a_refused_crop_raise_cache_mismatch(tmp_path):
+def test_a_lost_step_or_a_refused_crop_drops_that_sequence_only(tmp_path):
     path = build_tiny("qwen3-sliding", tmp_path / "m")
     core = StageCore(load_layers(path, 1, 6), 1, 6)
-    core.forward(Hop(torch.randn(1, 11, 64), torch.arange(11), "s", 0))
-    with pytest.raises(CacheMismatch, match="12 but 11 cached"):  # position 11 never arrived
-        core.forward(Hop(torch.randn(1, 1, 64), torch.arange(12, 13), "s", 12))
-    assert core.cached() == {}  # a failed step drops the cache: the origin restarts from 0
-    core.forward(Hop(torch.randn(1, 11, 64), torch.arange(11), "s", 0))
-    core.forward(Hop(torch.randn(1, 1, 64), torch.arange(11, 12), "s", 11))
-    with pytest.raises(CacheMismatch, match="cannot crop"):  # sliding layers are past their window
-        core.forward(Hop(torch.randn(1, 1, 64), torch.arange(11, 12), "s", 11))
-    with pytest.raises(CacheMismatch, match="no cache"):
-        core.forward(Hop(torch.randn(1, 1, 64), torch.arange(5, 6), "other", 5))
+
+    def hop(first: int, length: int, seq_id: str) -> Hop:
+        return Hop.single(torch.randn(1, length, 64), torch.arange(first, first + length), seq_id)
+
+    core.forward(hop(0, 11, "s"))
+    out = core.forward(hop(12, 1, "s"))  # position 11 never arrived
+    assert "12 but 11 cached" in out.dropped["s"] and out.seq_ids == ()
+    assert core.cached() == {}  # a dropped sequence's cache goes: the origin restarts it from 0
+    core.forward(hop(0, 11, "s"))
+    core.forward(hop(11, 1, "s"))
+    assert "cannot crop" in core.forward(hop(11, 1, "s")).dropped["s"]  # sliding: past the window
+    assert "no cache" in core.forward(hop(5, 1, "other")).dropped["other"]
 
 
 async def test_a_lost_cache_restarts_from_the_origin_tokens(tmp_path):
