@@ -110,14 +110,14 @@ async def _drive(host, tokens: int, seqs: int, tag: str) -> tuple[float, list[fl
     return time.perf_counter() - start, [s for seq in steps for s in seq]
 
 
-def _pipeline(stages: int, dtype: str, threads: int):
+def _pipeline(stages: int, dtype: str, threads: int, extra: dict):
     from engines.config import ModelConfig
     from engines.host import EngineHost
     from engines.pipeline.engine import PipelineEngine
 
     engine = PipelineEngine(ModelConfig(name="m", engine="pipeline", engine_args={
         "num_stages": stages, "dtype": dtype, "stage_num_cpus": 0.01, "stage_threads": threads,
-        "origin_threads": threads}))
+        "origin_threads": threads, **extra}))
     return engine, EngineHost(engine)
 
 
@@ -144,7 +144,8 @@ def run_all(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     hf = HF(path, dtype)
     ray.init(include_dashboard=False, log_to_driver=False)
-    pipes = {n: _pipeline(n, args.dtype, args.threads) for n in args.stages}
+    pipes = {n: _pipeline(n, args.dtype, args.threads, json.loads(args.engine_args))
+             for n in args.stages}
     vllm = None
     if not args.no_vllm:
         from engines.config import ModelConfig
@@ -208,8 +209,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the HF process, the origin and each stage")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--engine-args", default="{}",
+                        help="JSON: more engine_args for every pipeline (e.g. batches_in_flight)")
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from gateway.serve_env import SERVE_ENV
+
+    # As the gateway starts Ray: stage actors at nice 0, not Ray's default 15.
+    os.environ.setdefault("RAY_worker_niceness", SERVE_ENV["RAY_worker_niceness"])
     import torch
 
     torch.set_num_threads(args.threads)

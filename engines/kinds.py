@@ -42,8 +42,9 @@ ENGINE_KINDS: dict[str, EngineKind] = {
     "vllm": EngineKind(implementation="engines.vllm.engine:VLLMEngine",
                        concurrency_arg="max_num_seqs", default_concurrency=128,
                        runs_controllers=True),
+    # PipelineArgs.max_sequences' default (a unit test holds them equal).
     "pipeline": EngineKind(implementation="engines.pipeline.engine:PipelineEngine",
-                           concurrency_arg="max_sequences", default_concurrency=8,
+                           concurrency_arg="max_sequences", default_concurrency=16,
                            arg_check="engines.pipeline.config:check_engine_args"),
 }
 

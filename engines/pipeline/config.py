@@ -31,9 +31,13 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kept in the replica so stages never see embedding rows (invertible to tokens).
     ``prefill_chunk``: prompt tokens of one sequence per micro-batch. ``max_batch_tokens``: tokens
     of all sequences per micro-batch. ``max_sequences``: sequences running at once, batched
-    together (more wait in the replica). ``max_restarts``: stage failures survived per request.
-    ``digest``: blake2b per hop, checked on receipt. ``device``: where the origin and the stages
-    compute (``cuda`` stages need ``stage_num_gpus``); activations cross in host memory.
+    together (more wait in the replica). ``kv_cache_gib``: keys and values each stage (and the
+    origin's own layers) may hold, all sequences together; a request reserves its prompt plus
+    ``max_tokens`` (per choice) of it, waits while that does not fit, and is refused as
+    overloaded when ``max_sequences`` requests already wait. ``max_restarts``: stage failures
+    survived per request. ``digest``: blake2b per hop, checked on receipt. ``device``: where the
+    origin and the stages compute (``cuda`` stages need ``stage_num_gpus``); activations cross
+    Ray in host memory and stay on the device in-process.
     ``placement_strategy``: a placement group with one bundle per stage (``STRICT_SPREAD``: each
     stage on its own node);
     ``stage_resources``: custom resources per stage (from the cluster config), instead."""
@@ -43,6 +47,7 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     origin_layers: int = 1
     prefill_chunk: int = 32
     max_batch_tokens: int = 256
+    batches_in_flight: int | None = None  # None: one per stage
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     device: Literal["cpu", "cuda"] = "cpu"
@@ -54,6 +59,7 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     placement_strategy: Strategy | None = None
     stage_resources: list[dict[str, float]] | None = None
     max_sequences: int = 16
+    kv_cache_gib: float = 2.0
     max_restarts: int = 2
     digest: bool = False
     cache_ttl_s: float = 600.0
@@ -63,11 +69,13 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("num_stages", "prefill_chunk", "max_batch_tokens", "max_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.batches_in_flight is not None and self.batches_in_flight < 1:
+            raise ValueError("batches_in_flight must be >= 1")
         for name in ("origin_layers", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.step_timeout_s <= 0 or self.cache_ttl_s <= 0:
-            raise ValueError("step_timeout_s and cache_ttl_s must be > 0")
+        if self.step_timeout_s <= 0 or self.cache_ttl_s <= 0 or self.kv_cache_gib <= 0:
+            raise ValueError("step_timeout_s, cache_ttl_s and kv_cache_gib must be > 0")
         if self.stage_num_cpus <= 0:
             raise ValueError("stage_num_cpus must be > 0 (Ray sizes a stage's threads by it)")
         if self.stage_resources is not None:

@@ -20,6 +20,7 @@ from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import ModelConfig
 from engines.embedded import resolve_model_source
+from engines.pipeline.budget import BudgetFull, KVBudget, NeverFits, tokens_for
 from engines.pipeline.choice import Choice
 from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, plan_stages
 from engines.pipeline.origin import Job, Origin, PipelineFailure
@@ -74,7 +75,8 @@ class PipelineEngine:
                              max_restarts=self.args.max_restarts, check_digest=self.args.digest,
                              device=self.args.device, threads=self.args.origin_threads,
                              step_timeout_s=self.args.step_timeout_s,
-                             max_batch_tokens=self.args.max_batch_tokens)
+                             max_batch_tokens=self.args.max_batch_tokens,
+                             batches_in_flight=self.args.batches_in_flight)
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.vocab_size = vocab_size = parts.head_weight.shape[0]
@@ -88,6 +90,9 @@ class PipelineEngine:
                                       best_of_above_n=False, priority=False),
             max_prompt_chars=prompt_char_limit(self.tokenizer, limit))
         self._slots = asyncio.Semaphore(self.args.max_sequences)
+        widest = max([self.args.origin_layers] + [end - start for start, end in self.ranges])
+        self.kv_budget = KVBudget(tokens_for(self.args.kv_cache_gib, tcfg, widest,
+                                             self.dtype.itemsize), self.args.max_sequences)
         self.live = 0  # sequences in the pipe now
         self._reference = None
 
@@ -107,6 +112,21 @@ class PipelineEngine:
 
     async def stream(self, request: GenerateRequest, admitted: Admitted) -> AsyncIterator[Event]:
         started = time.monotonic()
+        n = request.sampling.n
+        try:
+            async with self.kv_budget.reserve(n * (len(admitted.prompt_ids) +
+                                                   admitted.max_tokens)):
+                events = self._choices(request, admitted, started)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        yield event
+        except NeverFits as exc:
+            yield ErrorEvent(kind="validation", message=str(exc), param="max_tokens")
+        except BudgetFull as exc:
+            yield ErrorEvent(kind="overloaded", message=f"{exc}; retry later")
+
+    async def _choices(self, request: GenerateRequest, admitted: Admitted,
+                       started: float) -> AsyncIterator[Event]:
         n = request.sampling.n
         if n == 1:
             gen = self._choice(request, admitted, 0, started, None)

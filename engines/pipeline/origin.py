@@ -99,7 +99,7 @@ class Origin:
     def __init__(self, parts: OriginParts, origin_layers: int, stages: Stages, *,
                  prefill_chunk: int, max_restarts: int, check_digest: bool, device: str = "cpu",
                  threads: int | None = None, step_timeout_s: float = 60.0,
-                 max_batch_tokens: int = 256):
+                 max_batch_tokens: int = 256, batches_in_flight: int | None = None):
         self.parts = parts
         self.own = (StageCore(parts.layers, 0, origin_layers, device=device, host_hops=False)
                     if parts.layers is not None else None)
@@ -107,6 +107,7 @@ class Origin:
         self.stages = stages
         self.prefill_chunk = prefill_chunk
         self.max_batch_tokens = max(max_batch_tokens, 1)
+        self.depth = batches_in_flight or stages.depth
         self.max_restarts = max_restarts
         self.check = check_digest
         self.device = device
@@ -197,7 +198,7 @@ class Origin:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._waiting and len(self._in_flight) < self.stages.depth:
+            while self._waiting and len(self._in_flight) < self.depth:
                 members = self._take()
                 self.batches += 1
                 result, dropped = await self.run(self._send, members, self.batches)
@@ -209,7 +210,7 @@ class Origin:
         """Waiting jobs for the next micro-batch, oldest first: a share of the running jobs
         (so ``depth`` micro-batches keep the pipe full), each its next token or prompt chunk,
         within the token budget. A job with prompt left stays waiting for the next one."""
-        share = max(1, -(-len(self._jobs) // self.stages.depth))
+        share = max(1, -(-len(self._jobs) // self.depth))
         budget, members = self.max_batch_tokens, []
         for job in list(self._waiting):
             if len(members) == share or budget == 0:

@@ -27,7 +27,7 @@ class Stages(Protocol):
 
     failures: tuple[type[BaseException], ...]  # what the restart path handles
     cancelled: tuple[type[BaseException], ...]  # how the transport reports our own cancellation
-    depth: int  # micro-batches worth keeping in flight (every station busy)
+    depth: int  # micro-batches worth keeping in flight (every stage busy)
     host_hops: bool  # hops must be in host memory (another process carries them)
 
     def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
@@ -101,8 +101,10 @@ class RayStages:
         self.failures = (CacheMismatch, RayActorError, ObjectLostError)
         self.cancelled = (TaskCancelledError,)
         self.model_dir, self.ranges, self.args = model_dir, ranges, args
-        # Each stage and the origin (embedding, head, sampling) is a station of the pipe.
-        self.depth = len(ranges) + 1
+        # One micro-batch per stage: the origin's work on one (sampling, the next embedding)
+        # overlaps the stages' on the others. One more was slower on a 2-core box, where the
+        # origin and the stages share the cores (docs/benchmarks.md, "Pipeline batching").
+        self.depth = len(ranges)
         self.host_hops = True
         self.label = label
         self._spawned = 0

@@ -199,3 +199,41 @@ def test_the_health_check_respawns_a_stage_that_died_while_idle(pipeline_handle,
     answer = http.post("/v1/completions", json={"model": PIPELINE_MODEL, "prompt": PROMPT,
                                                 "max_tokens": TOKENS, "temperature": 0})
     assert answer.json()["choices"][0]["text"] == reference.text
+
+
+def test_sixteen_clients_at_once_over_every_protocol_each_get_the_unsplit_answer(
+        pipeline_url, pipeline_handle):
+    """16 clients at once, four protocols' real clients, prompts of four lengths: the replica
+    runs them as micro-batches, and each gets what the unsplit model gives that prompt alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import text_generation
+    from openai import OpenAI
+
+    prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,",
+               "1, 2, 3,", "Water boils at a temperature of one hundred degrees Celsius, and"]
+    want = {p: pipeline_handle.reference_greedy.remote(p, TOKENS).result().text for p in prompts}
+    openai = OpenAI(base_url=f"{pipeline_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    tgi = text_generation.Client(pipeline_url, timeout=300)
+
+    def ask(i: int) -> tuple[str, str]:
+        prompt = prompts[i % 4]
+        if i // 4 == 0:
+            return prompt, openai.completions.create(
+                model=PIPELINE_MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0
+            ).choices[0].text
+        if i // 4 == 1:
+            return prompt, tgi.generate(prompt, max_new_tokens=TOKENS).generated_text
+        with httpx.Client(base_url=pipeline_url, timeout=300) as http:
+            if i // 4 == 2:
+                return prompt, http.post("/invocations", json={"inputs": prompt, "parameters": {
+                    "max_new_tokens": TOKENS, "do_sample": False}}).json()["generated_text"]
+            with http.stream("POST", f"/v2/models/{PIPELINE_MODEL}/generate_stream", json={
+                    "text_input": prompt, "parameters": {"max_new_tokens": TOKENS}}) as response:
+                return prompt, "".join(json.loads(line[5:])["text_output"]
+                                       for line in response.iter_lines()
+                                       if line.startswith("data:"))
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16)))
+    assert [text for _, text in answers] == [want[prompt] for prompt, _ in answers]
