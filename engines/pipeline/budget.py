@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-__all__ = ["BudgetFull", "KVBudget", "NeverFits", "tokens_for"]
+__all__ = ["BudgetFull", "KVBudget", "NeverFits", "bytes_per_token", "tokens_for"]
 
 
 class NeverFits(ValueError):
@@ -23,13 +23,17 @@ class BudgetFull(RuntimeError):
     """Too many requests already wait for the budget."""
 
 
-def tokens_for(gib: float, text_config: Any, layers: int, dtype_bytes: int) -> int:
-    """How many tokens of keys and values ``layers`` layers hold in ``gib`` GiB."""
+def bytes_per_token(text_config: Any, layers: int, dtype_bytes: int) -> int:
+    """Bytes of keys and values one token takes in ``layers`` layers."""
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    per_token = 2 * kv_heads * head_dim * dtype_bytes * max(layers, 1)
-    return int(gib * (1 << 30)) // per_token
+    return 2 * kv_heads * head_dim * dtype_bytes * max(layers, 1)
+
+
+def tokens_for(gib: float, text_config: Any, layers: int, dtype_bytes: int) -> int:
+    """How many tokens of keys and values ``layers`` layers hold in ``gib`` GiB."""
+    return int(gib * (1 << 30)) // bytes_per_token(text_config, layers, dtype_bytes)
 
 
 class KVBudget:

@@ -184,6 +184,13 @@ class StageCore:
         with self._lock:
             return {k: c.get_seq_length() for k, c in self.caches.items()}
 
+    def cache_bytes(self) -> int:
+        """Bytes of keys and values held now, every sequence (bounds, benchmarks)."""
+        with self._lock:
+            return sum(t.numel() * t.element_size() for cache in self.caches.values()
+                       for layer in cache.layers for t in (layer.keys, layer.values)
+                       if t is not None and hasattr(t, "numel"))
+
     def sweep(self, ttl_s: float | None = None) -> int:
         """Drop caches idle longer than the TTL (orphans of a lost origin); how many went."""
         with self._lock:
