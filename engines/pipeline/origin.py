@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # Results a job may hold undelivered: a slow reader stops its own sequence there, not the batch.
 OUTBOX = 8
+# Fewer sequences are not split across micro-batches in flight: a small batch costs about what
+# one sequence does, so halving it halves the work per step (4 sequences on 2 stages: 43.0 tok/s
+# as one micro-batch, 32.4 as two; docs/benchmarks.md, "Pipeline batching").
+_MIN_SHARE = 8
 
 
 class StageTimeout(RuntimeError):
@@ -208,9 +212,10 @@ class Origin:
 
     def _take(self) -> list[_Member]:
         """Waiting jobs for the next micro-batch, oldest first: a share of the running jobs
-        (so ``depth`` micro-batches keep the pipe full), each its next token or prompt chunk,
-        within the token budget. A job with prompt left stays waiting for the next one."""
-        share = max(1, -(-len(self._jobs) // self.depth))
+        (so ``depth`` micro-batches keep the pipe full, but no fewer than ``_MIN_SHARE``), each
+        its next token or prompt chunk, within the token budget. A job with prompt left stays
+        waiting for the next one."""
+        share = max(_MIN_SHARE, -(-len(self._jobs) // self.depth))
         budget, members = self.max_batch_tokens, []
         for job in list(self._waiting):
             if len(members) == share or budget == 0:
