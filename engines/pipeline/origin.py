@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 
 # Results a job may hold undelivered: a slow reader stops its own sequence there, not the batch.
 OUTBOX = 8
-# Fewer sequences are not split across micro-batches in flight: a small batch costs about what
-# one sequence does, so halving it halves the work per step (4 sequences on 2 stages: 43.0 tok/s
-# as one micro-batch, 32.4 as two; docs/benchmarks.md, "Pipeline batching").
+# Fewer running sequences are not split across micro-batches in flight: a small batch costs
+# about what one sequence does, so halving it halves the work per step (4 sequences on 2 stages:
+# 38.9 tok/s as one micro-batch, 32.4 as two; docs/benchmarks.md, "Pipeline batching").
 _MIN_SHARE = 8
 
 
@@ -179,6 +179,8 @@ class Origin:
         loop = asyncio.get_running_loop()
         if self._loop is loop and not any(task.done() for task in self._tasks):
             return
+        if self._loop is not None:  # no task of an old run may touch the new run's state
+            self._stop_tasks()
         self._loop = loop
         self._jobs: set[Job] = set()
         self._waiting: deque[Job] = deque()
@@ -188,6 +190,12 @@ class Origin:
         self._tasks = [loop.create_task(self._guarded(self._launch), context=context),
                        loop.create_task(self._guarded(self._collect), context=context)]
 
+    def _stop_tasks(self) -> None:
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                with contextlib.suppress(RuntimeError):  # a task of a loop that is closed
+                    task.cancel()
+
     async def _guarded(self, loop_fn: Callable[[], Any]) -> None:
         try:
             await loop_fn()
@@ -195,6 +203,7 @@ class Origin:
             raise
         except BaseException as exc:  # a bug here would hang every job: fail them instead
             log.exception("the pipeline scheduler stopped")
+            self._stop_tasks()  # the next job starts a fresh run
             for job in list(self._jobs):
                 self._deliver(job, PipelineFailure(f"the pipeline scheduler stopped: {exc!r}"))
 
@@ -205,7 +214,12 @@ class Origin:
             while self._waiting and len(self._in_flight) < self.depth:
                 members = self._take()
                 self.batches += 1
-                result, dropped = await self.run(self._send, members, self.batches)
+                try:
+                    result, dropped = await self.run(self._send, members, self.batches)
+                except Exception as exc:  # the embedding or the origin's layers, this batch's
+                    log.exception("sending micro-batch %d failed", self.batches)
+                    await self._restart([m.job for m in members if self._current(m)], exc)
+                    continue
                 self._in_flight.append(_Batch(result, members))
                 self._landed.set()
                 await self._restart_dropped(members, dropped)
@@ -215,7 +229,8 @@ class Origin:
         (so ``depth`` micro-batches keep the pipe full, but no fewer than ``_MIN_SHARE``), each
         its next token or prompt chunk, within the token budget. A job with prompt left stays
         waiting for the next one."""
-        share = max(_MIN_SHARE, -(-len(self._jobs) // self.depth))
+        running = len(self._jobs)
+        share = running if running < _MIN_SHARE else -(-running // self.depth)
         budget, members = self.max_batch_tokens, []
         for job in list(self._waiting):
             if len(members) == share or budget == 0:
@@ -258,14 +273,19 @@ class Origin:
             batch = self._in_flight[0]
             try:
                 hop = await self._receive(batch)
-            except (*self.stages.failures, *self.stages.cancelled, StageTimeout) as exc:
+            except Exception as exc:  # a lost or hung stage, a digest, an error in a stage
                 self._in_flight.popleft()
                 self._wake.set()
                 await self._restart([m.job for m in batch.members if self._current(m)], exc)
                 continue
             self._in_flight.popleft()
             self._wake.set()  # the launcher may send others' tokens while these are sampled
-            results = await self.run(self._finish, batch, hop)
+            try:
+                results = await self.run(self._finish, batch, hop)
+            except Exception as exc:  # the head or a split: these jobs fail, others go on
+                log.exception("finishing micro-batch %d failed", hop.step)
+                failure = PipelineFailure(f"the origin failed: {type(exc).__name__}")
+                results = [(m.job, failure) for m in batch.members if self._current(m)]
             for job, item in results:
                 self._deliver(job, item)
                 if isinstance(item, tuple) and not item[1]:
@@ -276,7 +296,8 @@ class Origin:
             await self._restart_dropped(batch.members, hop.dropped)
 
     async def _receive(self, batch: _Batch) -> Hop:
-        patience = self.step_timeout_s * len(self._in_flight)  # behind every batch before it
+        # It may wait behind every other micro-batch in flight (a stage runs calls in order).
+        patience = self.step_timeout_s * len(self._in_flight)
         try:
             async with asyncio.timeout(patience):
                 hop = await batch.result
@@ -330,12 +351,13 @@ class Origin:
         """Free these sequences everywhere and send them again from position 0 (after the
         stages are recovered), or fail the ones past ``max_restarts``."""
         jobs = [job for job in dict.fromkeys(jobs) if not job.closed]
-        for job in jobs:
+        for job in jobs:  # all before the first await: one failure is one restart
             job.epoch += 1  # what is still in flight for it is void now
             job.seq.restarts += 1
             self.restarts += 1
             with contextlib.suppress(ValueError):
                 self._waiting.remove(job)
+        for job in jobs:
             await self.release(job.seq.seq_id)
         retry = []
         for job in jobs:
@@ -350,7 +372,8 @@ class Origin:
         if retry and not isinstance(exc, CacheMismatch):  # a stage may be dead or hung
             try:
                 await self.stages.recover(self.step_timeout_s)
-            except TimeoutError:
+            except Exception as failed:  # a respawn that does not come up, or cannot start
+                log.error("recovering the stages failed: %r", failed)
                 for job in retry:
                     self._deliver(job, PipelineFailure("a respawned stage did not come up"))
                 return

@@ -159,3 +159,40 @@ async def test_a_slow_reader_holds_back_only_its_own_sequence(tiny):
     assert slow.parked and len(slow.seq.tokens) - 3 <= 1 + 8
     rest = [item async for item in slow_steps]
     assert len(rest) == 39
+
+
+async def test_an_error_inside_a_stage_restarts_that_micro_batch_and_the_scheduler_goes_on(tiny):
+    """Any error from a stage (an out-of-memory, a bug), not only a lost cache: that
+    micro-batch's sequences restart; past max_restarts they fail, and the next job runs."""
+    from engines.pipeline.origin import PipelineFailure
+    from engines.pipeline.stages import Resolved
+
+    kind, path = tiny
+    prompts = _prompts(100)[:2]
+    alone = await _alone(path, RANGES[kind], prompts)
+    origin = _origin(path, RANGES[kind])
+    working, calls = origin.stages, 0
+
+    class OnceBroken(LocalStages):
+        def submit(self, hop, check):
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                return Resolved(error=RuntimeError("out of memory"))
+            return super().submit(hop, check)
+
+    origin.stages = OnceBroken(working.cores)
+    together = await asyncio.gather(*(_run(origin, _greedy_job(f"e{i}", p))
+                                      for i, p in enumerate(prompts)))
+    assert [t for t, _ in together] == [t for t, _ in alone] and origin.restarts == 2
+
+    class Broken(LocalStages):
+        def submit(self, hop, check):
+            return Resolved(error=RuntimeError("out of memory"))
+
+    origin.stages = Broken(working.cores)
+    with pytest.raises(PipelineFailure, match=r"failed 3 times.*RuntimeError"):
+        await _run(origin, _greedy_job("f", prompts[0]))
+    origin.stages = working
+    assert (await _run(origin, _greedy_job("g", prompts[0])))[0] == alone[0][0]
+    assert all(core.cached() == {} for core in working.cores)
