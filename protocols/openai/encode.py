@@ -52,18 +52,49 @@ def openai_finish_reason(event: FinalEvent) -> str:
     return {"eos": "stop", "stop_sequence": "stop"}.get(event.finish_reason, event.finish_reason)
 
 
-async def with_echo(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    """Prepend the prompt text (from the PromptEvent) to each choice's first output."""
-    prompt_text: str | None = None
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """The echoed prompt's logprobs for choice ``index`` (completion-logprobs lists, the first
+    position's ``None``: no context), just before that choice's first output, which carries
+    the prompt's ``length`` characters at its start."""
+
+    index: int
+    length: int
+    logprobs: dict
+
+
+def _prompt_logprobs(prompt: PromptEvent) -> dict:
+    lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                           "text_offset": []}
+    offset = 0
+    for i, token in enumerate(prompt.tokens):
+        lp["tokens"].append(token.text)
+        lp["token_logprobs"].append(token.logprob)
+        lp["top_logprobs"].append({t.text: t.logprob for t in token.top_logprobs} if i else None)
+        lp["text_offset"].append(offset)
+        offset += len(token.text)
+    return lp
+
+
+async def with_echo(events: AsyncIterator[Event]) -> AsyncIterator[Event | EchoedPrompt]:
+    """Prepend the prompt text (from the PromptEvent) to each choice's first output, and before
+    it, the prompt's logprobs (``EchoedPrompt``: OpenAI's echo with logprobs lists the prompt
+    tokens first, as lm-evaluation-harness's loglikelihood reads them)."""
+    prompt: PromptEvent | None = None
     echoed: set[int] = set()
     async for event in events:
         if isinstance(event, PromptEvent):
-            prompt_text = event.text
-        elif prompt_text is not None and isinstance(event, (TokenEvent, FinalEvent)):
+            prompt = event
+        elif prompt is not None and isinstance(event, (TokenEvent, FinalEvent)):
             if event.index not in echoed:
                 echoed.add(event.index)
-                event = msgspec.structs.replace(event, text=prompt_text + event.text)
+                yield EchoedPrompt(event.index, len(prompt.text), _prompt_logprobs(prompt))
+                event = msgspec.structs.replace(event, text=prompt.text + event.text)
         yield event
+
+
+def _joined(first: dict, then: dict) -> dict:
+    return {key: first[key] + then[key] for key in first}
 
 
 class _UsageCounter:
@@ -122,24 +153,32 @@ async def completion_chunks(
     """``text_completion`` chunks: one per token, one per finished choice, then usage."""
     counter = _UsageCounter(meta.n, meta.prompts)
     offsets: dict[int, int] = {}
+    echoed: dict[int, EchoedPrompt] = {}
     head = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model}
     async for event in events:
         if isinstance(event, (ErrorEvent, BacktrackEvent, ForkEvent)):  # a stream only grows
             yield _error_chunk(as_error(event))
             return
+        if isinstance(event, EchoedPrompt):
+            echoed[event.index] = event
+            continue
+        if not isinstance(event, (TokenEvent, FinalEvent)):
+            continue
+        prompt = echoed.pop(event.index, None) if logprobs else None
         if isinstance(event, TokenEvent):
             counter.token()
             offset = offsets.get(event.index, 0)
             offsets[event.index] = offset + len(event.text)
+            lp = _completion_logprobs(event, offset + (prompt.length if prompt else 0)) \
+                if logprobs else None
             choice = {"index": event.index, "text": event.text,
-                      "logprobs": _completion_logprobs(event, offset) if logprobs else None,
+                      "logprobs": _joined(prompt.logprobs, lp) if prompt and lp else lp,
                       "finish_reason": None}
         elif isinstance(event, FinalEvent):
             counter.final(event)
-            choice = {"index": event.index, "text": event.text, "logprobs": None,
+            choice = {"index": event.index, "text": event.text,
+                      "logprobs": prompt.logprobs if prompt else None,
                       "finish_reason": openai_finish_reason(event), "stop_reason": event.stop_reason}
-        else:
-            continue
         chunk = {**head, "choices": [choice]}
         if usage == "continuous":
             chunk["usage"] = counter.as_dict()
@@ -204,6 +243,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     tokens: list[TokenEvent] = field(default_factory=list)
     final: FinalEvent | None = None
+    echoed: EchoedPrompt | None = None
 
 
 @dataclass
@@ -220,7 +260,9 @@ async def collect(events: AsyncIterator[Event], n: int, prompts: int = 1) -> Col
     async for event in fold_splices(events):
         if isinstance(event, ErrorEvent):
             raise from_event(event)
-        if isinstance(event, TokenEvent):
+        if isinstance(event, EchoedPrompt):
+            choices.setdefault(event.index, _Choice()).echoed = event
+        elif isinstance(event, TokenEvent):
             counter.token()
             choice = choices.setdefault(event.index, _Choice())
             choice.text.append(event.text)
@@ -246,12 +288,14 @@ def completion_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool
         lp = None
         if logprobs:
             lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            echo = choice.echoed.length if choice.echoed else 0
             offset = 0
-            for token in choice.tokens:
-                piece = _completion_logprobs(token, offset)
+            for i, token in enumerate(choice.tokens):
+                # The first output starts with the echoed prompt: its token's offset is past it.
+                lp = _joined(lp, _completion_logprobs(token, offset + (echo if i == 0 else 0)))
                 offset += len(token.text)
-                for key in lp:
-                    lp[key].extend(piece[key])
+            if choice.echoed:
+                lp = _joined(choice.echoed.logprobs, lp)
         out.append({"index": index, "text": "".join(choice.text), "logprobs": lp,
                     "finish_reason": finish, "stop_reason": stop_reason})
     return {"id": meta.id, "object": "text_completion", "created": meta.created,

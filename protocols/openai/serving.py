@@ -105,8 +105,8 @@ async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bo
     n = requests[0].sampling.n
     streams = []
     for i, p in enumerate(peeked):
-        events = fold_splices(aiter(p)) if echo and not stream else aiter(p)
-        streams.append(reindexed(with_echo(events) if echo else events, i * n))
+        events = reindexed(fold_splices(aiter(p)) if echo and not stream else aiter(p), i * n)
+        streams.append(with_echo(events) if echo else events)  # its choices' final indices
     return merge(streams)
 
 

@@ -157,9 +157,13 @@ def _output(body: _Sampling, logprobs: int | None, echo: bool = False,
     _check(logprobs is None or logprobs >= 0, "logprobs must be >= 0", "logprobs")
     _check(body.prompt_logprobs is None or body.prompt_logprobs >= 0,
            "prompt_logprobs must be >= 0", "prompt_logprobs")
+    # Echo with logprobs lists the prompt's tokens with theirs (OpenAI's legacy completions).
+    prompt_logprobs = body.prompt_logprobs
+    if echo and logprobs is not None:
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     return OutputOptions(
         logprobs=logprobs,
-        prompt_logprobs=body.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         echo=echo,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,

@@ -279,3 +279,27 @@ def test_a_fanout_beyond_the_default_bound_is_400_before_any_engine_request(http
     error = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 129,
                                                       "n": 2, "max_tokens": 1}), 400)
     assert error["param"] == "prompt" and "at most 256" in error["message"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_a_loglikelihood_harness_reads_it(
+        openai_client, logprob_tolerance):
+    """lm-evaluation-harness's loglikelihood: echo, logprobs=1, max_tokens=1, then the prompt's
+    own token logprobs past the context. Scoring prompt + a greedy continuation gives, at the
+    continuation's positions, the logprobs vLLM gave those tokens while generating them."""
+    made = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                            temperature=0, logprobs=1)
+    generated = made.choices[0].logprobs
+    scored = openai_client.completions.create(model=MODEL, prompt=PROMPT + made.choices[0].text,
+                                              max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = scored.choices[0].logprobs
+    prompt_tokens = scored.usage.prompt_tokens
+    assert len(lp.tokens) == prompt_tokens + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == scored.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    continuation = lp.token_logprobs[prompt_tokens - 6:prompt_tokens]
+    assert lp.tokens[prompt_tokens - 6:prompt_tokens] == generated.tokens
+    for got, want in zip(continuation, generated.token_logprobs, strict=True):
+        assert got == pytest.approx(want, abs=logprob_tolerance)
+    for i in range(prompt_tokens - 6, prompt_tokens):  # greedy: each tops its position (or ties)
+        assert max(lp.top_logprobs[i].values()) - lp.token_logprobs[i] <= logprob_tolerance

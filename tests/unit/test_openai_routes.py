@@ -87,7 +87,19 @@ async def test_completion_echo_and_logprobs(client):
                                                    "logprobs": 1})
     choice = r.json()["choices"][0]
     assert choice["text"] == "HiHe"
-    assert choice["logprobs"]["token_logprobs"] == [pytest.approx(-0.1), pytest.approx(-0.2)]
+    # The prompt's tokens first, as OpenAI (and vLLM) list them: no logprob for the first one.
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["H", "i", "H", "e"]
+    assert lp["token_logprobs"] == [None, -1.0, pytest.approx(-0.1), pytest.approx(-0.2)]
+    assert lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"]) == 4
+    streamed = await client.post("/v1/completions", json={
+        "prompt": "Hi", "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    lists = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [t for part in lists for t in part["tokens"]] == lp["tokens"]
+    assert [t for part in lists for t in part["text_offset"]] == lp["text_offset"]
 
 
 async def test_chat_non_stream_and_list_content(client, engine):
