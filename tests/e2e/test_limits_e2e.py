@@ -105,8 +105,10 @@ async def test_a_20_mb_prompt_is_refused_at_once_without_stalling_other_streams(
         gateway_url, big_body_url):
     """Before, the prompt was tokenized in full on the engine replica's event loop (22 s for
     20 MB) before its length was checked, and every other stream stalled meanwhile. The figure
-    with a tighter bar is in docs/reliability.md; here the bound is loose (no timing asserts
-    that a busy CI box could break, beyond what shows the stall is gone)."""
+    with a tighter bar is in docs/reliability.md. Here the bounds are fractions of that 22 s
+    stall, no tighter: on the loaded CI box the 20 MB upload alone took 7.7 s once (a 5 s bound
+    failed) and a token gap 2.3 s (a 2 s bound failed), while the bug they guard against costs
+    22 s on an idle box."""
     words = b"word " * 4_000_000  # 20 MB: ~4M tokens, 1000x what the context holds
     data = b'{"inputs": "' + words + b'", "parameters": {"max_new_tokens": 2}}'
     started = asyncio.Event()
@@ -121,6 +123,6 @@ async def test_a_20_mb_prompt_is_refused_at_once_without_stalling_other_streams(
     assert r.status_code == 422, r.text
     assert r.json()["error_type"] == "validation"
     assert "maximum context length" in r.json()["error"]
-    assert refused_after < 5, refused_after
-    assert max(gaps) < 2, max(gaps)
+    assert refused_after < 15, refused_after
+    assert max(gaps) < 8, max(gaps)
     print(f"refused after {refused_after:.3f} s; largest gap {max(gaps):.3f} s")
