@@ -78,7 +78,8 @@ async def _run(args) -> dict:
     from engines.pipeline.loading import load_config, text_config
 
     tcfg = text_config(load_config(engine.model_path))
-    per_token = bytes_per_token(tcfg, 15, engine.dtype.itemsize)  # the wider stage: 15 layers
+    widest = max(end - start for start, end in engine.ranges)  # the stage the budget sizes
+    per_token = bytes_per_token(tcfg, widest, engine.dtype.itemsize)
     return {"requests": args.requests, "prompt_tokens": prompt_tokens,
             "max_tokens": args.max_tokens, "ends": {e: ends.count(e) for e in set(ends)},
             "budget_tokens": engine.kv_budget.tokens,

@@ -39,7 +39,7 @@ class Choice:
         self.max_tokens = admitted.max_tokens
         s, out = request.sampling, request.output
         self.seq = Sequence(seq_id=f"{request.request_id}/{index}", tokens=list(self.prompt_ids))
-        self.sampler = Sampler(s, self.prompt_ids, engine.eos_ids, engine.vocab_size,
+        self.sampler = Sampler(s, self.prompt_ids, engine.eos_ids, engine.model_info().vocab_size,
                                seed_offset=index)
         self.text = OutputText(engine.tokenizer, self.prompt_ids, out.skip_special_tokens, s.stop,
                                s.include_stop_str_in_output)
@@ -97,7 +97,8 @@ class Choice:
         piece, delta, stop = text.add(token, check_stops=self.generated >= s.min_tokens)
         if stop is not None:
             return "stop_sequence", stop, delta, piece
-        if self.generated >= self.max_tokens or len(self.seq.tokens) >= self.engine.max_model_len:
+        if (self.generated >= self.max_tokens
+                or len(self.seq.tokens) >= self.engine.model_info().max_model_len):
             return "length", None, delta, piece
         return None, None, delta, piece
 

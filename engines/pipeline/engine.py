@@ -79,9 +79,8 @@ class PipelineEngine:
                              batches_in_flight=self.args.batches_in_flight)
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        self.vocab_size = vocab_size = parts.head_weight.shape[0]
-        self.max_model_len = limit = (self.args.max_model_len
-                                      or min(tcfg.max_position_embeddings, 4096))
+        vocab_size = parts.head_weight.shape[0]
+        limit = self.args.max_model_len or min(tcfg.max_position_embeddings, 4096)
         self._info = ModelInfo(
             name=config.name, root=self.model_path, max_model_len=limit, vocab_size=vocab_size,
             eos_token_id=self.tokenizer.eos_token_id, engine=config.engine, dtype=self.args.dtype,

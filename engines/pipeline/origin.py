@@ -49,13 +49,12 @@ class PipelineFailure(RuntimeError):
 
 @dataclass
 class Sequence:
-    """One sequence as the origin tracks it: every token (prompt and output), how many of them
-    were sent into the pipe, and how many the pipe's caches hold."""
+    """One sequence as the origin tracks it: every token (prompt and output) and how many of
+    them were sent into the pipe (the stages' guards check what they hold)."""
 
     seq_id: str
     tokens: list[int]
-    cached: int = 0
-    sent: int = 0  # ahead of ``cached`` while a chunk is in flight
+    sent: int = 0
     restarts: int = 0
 
 
@@ -319,7 +318,6 @@ class Origin:
             hidden = rows.get(m.job.seq.seq_id)
             if hidden is None or not self._current(m):
                 continue
-            m.job.seq.cached = m.end
             if m.job.every and not m.job.stepped:
                 m.job.prompt_hidden.append(hidden)
             if m.end == len(m.job.seq.tokens):
@@ -378,7 +376,7 @@ class Origin:
                     self._deliver(job, PipelineFailure("a respawned stage did not come up"))
                 return
         for job in retry:
-            job.seq.cached = job.seq.sent = 0
+            job.seq.sent = 0
             job.prompt_hidden.clear()
             self._enqueue(job)
 

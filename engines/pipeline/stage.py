@@ -9,6 +9,7 @@ only: no token ids, no text. Every call is idempotent by position (the guard in
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -44,13 +45,13 @@ class Hop:
         """One sequence's tokens as a micro-batch of one."""
         return cls(hidden, positions, (seq_id,), (int(positions.shape[0]),), step)
 
+    def starts(self) -> list[int]:
+        """Where each sequence's tokens start in the packed tensor."""
+        return [0, *itertools.accumulate(self.lengths)][:-1]
+
     def firsts(self) -> list[int]:
         """Each sequence's first position in this hop."""
-        firsts, start = [], 0
-        for length in self.lengths:
-            firsts.append(int(self.positions[start]))
-            start += length
-        return firsts
+        return [int(self.positions[start]) for start in self.starts()]
 
     def only(self, keep: list[int]) -> Hop:
         """The same hop with only the sequences at indices ``keep`` (no digest)."""
@@ -58,7 +59,7 @@ class Hop:
 
         if len(keep) == len(self.seq_ids):
             return replace(self, digest=None)
-        starts = [sum(self.lengths[:i]) for i in range(len(self.lengths))]
+        starts = self.starts()
         rows = [torch.arange(starts[i], starts[i] + self.lengths[i]) for i in keep]
         index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         return replace(self, hidden=self.hidden[:, index], positions=self.positions[index],
@@ -122,7 +123,8 @@ class StageCore:
         with self._lock:
             self._maybe_sweep()
             keep, caches, dropped = [], [], dict(hop.dropped)
-            for i, (seq_id, first) in enumerate(zip(hop.seq_ids, hop.firsts(), strict=True)):
+            firsts = hop.firsts()
+            for i, (seq_id, first) in enumerate(zip(hop.seq_ids, firsts, strict=True)):
                 try:
                     caches.append(self._guard(seq_id, first))
                     keep.append(i)
@@ -131,7 +133,8 @@ class StageCore:
                     dropped[seq_id] = str(exc)
             batch = hop.only(keep)
             try:
-                out = self._layers(batch, caches) if keep else batch.hidden
+                out = (self._layers(batch, caches, [firsts[i] for i in keep]) if keep
+                       else batch.hidden)
             except BaseException:
                 # A half-written cache is of no use: the origin restarts these from 0.
                 for seq_id in batch.seq_ids:
@@ -140,12 +143,12 @@ class StageCore:
         result = replace(batch, hidden=out, dropped=dropped)
         return result.sign() if check else result
 
-    def _layers(self, batch: Hop, caches: list[Any]):
+    def _layers(self, batch: Hop, caches: list[Any], firsts: list[int]):
         import torch
 
         from engines.pipeline.packed import PackedCaches, run_layers
 
-        packed = PackedCaches(caches, list(batch.lengths), batch.firsts())
+        packed = PackedCaches(caches, list(batch.lengths), firsts)
         with torch.inference_mode():
             out = run_layers(self.model, batch.hidden.to(self.device),
                              batch.positions.to(self.device), packed)

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from engines.pipeline.stage import CacheMismatch, Hop, StageCore
+from engines.pipeline.stage import Hop, StageCore
 
 __all__ = ["LocalStages", "RayStages", "Resolved", "Stages"]
 
@@ -25,8 +25,6 @@ _RESPAWN_S = 600.0  # a respawned stage loads its weights; longer means it canno
 class Stages(Protocol):
     """The stage actors of one pipe, as the origin drives them."""
 
-    failures: tuple[type[BaseException], ...]  # what the restart path handles
-    cancelled: tuple[type[BaseException], ...]  # how the transport reports our own cancellation
     depth: int  # micro-batches worth keeping in flight (every stage busy)
     host_hops: bool  # hops must be in host memory (another process carries them)
 
@@ -61,8 +59,6 @@ class Resolved:
 class LocalStages:
     """Stages as in-process :class:`StageCore` s (tests, a box without Ray)."""
 
-    failures: tuple[type[BaseException], ...] = (CacheMismatch,)
-    cancelled: tuple[type[BaseException], ...] = ()
     depth = 1  # a submission runs every stage before it returns: nothing to overlap
     host_hops = False  # same process: a hop on the device stays there
 
@@ -94,12 +90,9 @@ class RayStages:
     def __init__(self, model_dir: str, ranges: list[tuple[int, int]], args: Any,
                  label: str = "pipeline"):
         import ray
-        from ray.exceptions import ObjectLostError, RayActorError, TaskCancelledError
 
         from engines.pipeline.stage import stage_actor_class
 
-        self.failures = (CacheMismatch, RayActorError, ObjectLostError)
-        self.cancelled = (TaskCancelledError,)
         self.model_dir, self.ranges, self.args = model_dir, ranges, args
         # One micro-batch per stage: the origin's work on one (sampling, the next embedding)
         # overlaps the stages' on the others. One more was slower on a 2-core box, where the
