@@ -64,8 +64,7 @@ class EchoedPrompt:
 
 
 def _prompt_logprobs(prompt: PromptEvent) -> dict:
-    lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                           "text_offset": []}
+    lp = _no_logprobs()
     offset = 0
     for i, token in enumerate(prompt.tokens):
         lp["tokens"].append(token.text)
@@ -91,6 +90,10 @@ async def with_echo(events: AsyncIterator[Event]) -> AsyncIterator[Event | Echoe
                 yield EchoedPrompt(event.index, len(prompt.text), _prompt_logprobs(prompt))
                 event = msgspec.structs.replace(event, text=prompt.text + event.text)
         yield event
+
+
+def _no_logprobs() -> dict[str, list]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
 def _joined(first: dict, then: dict) -> dict:
@@ -287,15 +290,16 @@ def completion_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool
         finish, stop_reason = _finish(choice)
         lp = None
         if logprobs:
-            lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            echo = choice.echoed.length if choice.echoed else 0
+            # The echoed prompt's entries first; its text starts the first output, so that
+            # token's offset is past it.
+            first = choice.echoed.logprobs if choice.echoed else _no_logprobs()
+            lp = {key: list(values) for key, values in first.items()}  # extended below
             offset = 0
             for i, token in enumerate(choice.tokens):
-                # The first output starts with the echoed prompt: its token's offset is past it.
-                lp = _joined(lp, _completion_logprobs(token, offset + (echo if i == 0 else 0)))
+                echo = choice.echoed.length if choice.echoed and i == 0 else 0
+                for key, values in _completion_logprobs(token, offset + echo).items():
+                    lp[key].extend(values)
                 offset += len(token.text)
-            if choice.echoed:
-                lp = _joined(choice.echoed.logprobs, lp)
         out.append({"index": index, "text": "".join(choice.text), "logprobs": lp,
                     "finish_reason": finish, "stop_reason": stop_reason})
     return {"id": meta.id, "object": "text_completion", "created": meta.created,
