@@ -16,7 +16,7 @@ selected by name through HF's ``AttentionInterface`` (:func:`use_packed_attentio
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["PackedCaches", "packed_attention", "run_layers", "use_packed_attention"]
@@ -32,6 +32,16 @@ class PackedCaches:
     caches: list[Any]  # one DynamicCache per sequence
     lengths: list[int]  # new tokens per sequence
     firsts: list[int]  # absolute position of each sequence's first new token
+    # A chunk's mask is the same in every layer of one kind (full or sliding): built once.
+    masks: dict[tuple, Any] = field(default_factory=dict)
+
+    def mask(self, i: int, inner: str, kv_length: int, window: int | None, query) -> Any:
+        """Sequence ``i``'s attention mask (see :func:`_mask`), once per shape and window."""
+        key = (i, kv_length, window)
+        if key not in self.masks:
+            self.masks[key] = _mask(inner, self.firsts[i], self.lengths[i], kv_length, window,
+                                    query.dtype, query.device)
+        return self.masks[key]
 
     def update(self, keys, values, layer_idx: int, *_: Any) -> tuple[list[Any], list[Any]]:
         """Append each sequence's new keys and values to its cache; each one's full keys and
@@ -56,8 +66,7 @@ def packed_attention(inner: str, module, query, keys: list[Any], values: list[An
     outputs, start = [], 0
     for i, length in enumerate(packed.lengths):
         query_i = query[:, :, start:start + length]
-        mask = _mask(inner, packed.firsts[i], length, keys[i].shape[2], sliding_window,
-                     query.dtype, query.device)
+        mask = packed.mask(i, inner, keys[i].shape[2], sliding_window, query)
         out, _ = kernel(module, query_i, keys[i], values[i], mask, scaling=scaling, dropout=0.0,
                         sliding_window=sliding_window)
         outputs.append(out)
