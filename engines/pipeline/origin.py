@@ -3,12 +3,10 @@ micro-batches, the embedding and its own first layers, the final norm and head o
 micro-batch, and the restart path when a stage dies or a cache stops lining up
 (docs/protocols/pipeline.md, "Batching").
 
-Each :class:`Job` is one sequence. The scheduler's launcher takes waiting jobs into a
-micro-batch (decode tokens and prefill chunks, up to ``max_batch_tokens``) and keeps up to the
-pipe's ``depth`` micro-batches in flight, so no stage idles while another computes; its
-collector takes them back in order, computes the logits of every sequence that completed its
-tokens in one matmul, and calls each job's ``step`` (sampling) on the origin thread. A job whose
-step did not end it is waiting again at once, with the rest of its micro-batch.
+Each :class:`Job` is one sequence. The launcher packs waiting jobs' decode tokens and prefill
+chunks into micro-batches and keeps up to ``depth`` in flight; the collector takes them back in
+order, computes the logits of every finished sequence in one matmul and calls each job's
+``step`` (sampling) on the origin thread; a job that goes on waits again with its micro-batch.
 """
 
 from __future__ import annotations
