@@ -7,6 +7,8 @@ route-error handler writes the 413 in the shape of the protocol the path belongs
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.exceptions import HTTPException
 
 __all__ = ["CAPACITY_HEADER", "Admission", "BodySizeLimit", "CapacityHeader", "route_path"]
@@ -15,6 +17,15 @@ __all__ = ["CAPACITY_HEADER", "Admission", "BodySizeLimit", "CapacityHeader", "r
 # proxy refuses the excess of a burst before any Ray call (gateway.proxy.ProxyGate), and takes
 # the header off before the client sees it.
 CAPACITY_HEADER = b"x-gateway-capacity"
+
+# A refused body is still read, and dropped, before its 413 is sent, within these bounds. A
+# client still uploading when the answer goes out has unread bytes in the server's socket; when
+# the connection is then closed (by HAProxy or the server), the kernel resets it and discards
+# the answer not yet delivered: the client sees a dropped connection instead of the 413 (seen
+# under load behind HAProxy). Past the bounds the 413 is sent at once, as nginx's lingering
+# close gives up after its own limits.
+DRAIN_BYTES = 64 * 1024 * 1024
+DRAIN_S = 10.0
 
 
 def route_path(scope) -> str:
@@ -29,8 +40,10 @@ def route_path(scope) -> str:
 class BodySizeLimit:
     """Pure ASGI middleware: bodies over ``max_bytes`` end in 413, before they are buffered.
 
-    A declared ``Content-Length`` over the limit fails on the first read, without reading any of
-    the body; a chunked body fails as soon as the bytes received pass the limit.
+    A declared ``Content-Length`` over the limit fails on the first read, without keeping any of
+    the body; a chunked body fails as soon as the bytes received pass the limit. Either way the
+    rest of the body is read and dropped, within bounds, before the 413 goes out (why:
+    :data:`DRAIN_BYTES`).
     """
 
     def __init__(self, app, max_bytes: int):
@@ -47,11 +60,14 @@ class BodySizeLimit:
         async def limited_receive():
             nonlocal received
             if too_large:
+                await _drain(receive, int(declared))
                 raise self._error()
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
+                    if message.get("more_body", False):
+                        await _drain(receive, 0)
                     raise self._error()
             return message
 
@@ -59,6 +75,22 @@ class BodySizeLimit:
 
     def _error(self) -> HTTPException:
         return HTTPException(413, f"Request body exceeds the limit of {self.max_bytes} bytes.")
+
+
+async def _drain(receive, declared: int) -> None:
+    """Reads the rest of a refused body and drops it (why and bounds: :data:`DRAIN_BYTES`)."""
+    if declared > DRAIN_BYTES:
+        return
+    read = 0
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            while read <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                read += len(message.get("body", b""))
+    except TimeoutError:
+        return
 
 
 class Admission:

@@ -1,10 +1,12 @@
 """Request bodies over ``max_request_bytes`` get a 413 in each protocol's own error shape."""
 
+import asyncio
 import json
 
 import httpx
 import pytest
 
+from gateway import limits
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
@@ -86,3 +88,56 @@ async def test_a_refused_body_does_not_affect_the_next_request(client):
 def test_limit_must_be_positive():
     with pytest.raises(ValueError, match="max_request_bytes"):
         GatewayConfig(max_request_bytes=0)
+
+
+class _Upload:
+    """A request body in 256-byte chunks that counts what the server pulled of it."""
+
+    def __init__(self, data: bytes, stall_after: int | None = None):
+        self.chunks = [data[start:start + 256] for start in range(0, len(data), 256)]
+        self.stall_after, self.pulled = stall_after, 0
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            if self.pulled == self.stall_after:
+                await asyncio.Event().wait()  # the client stops sending, connection open
+            self.pulled += 1
+            yield chunk
+
+
+def _big_body() -> bytes:
+    return json.dumps({"inputs": "x" * 40 * LIMIT}).encode()
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+async def test_the_rest_of_a_refused_body_is_read_before_the_413(client, declared):
+    """So a client still uploading reads the 413 instead of a connection reset under it."""
+    data = _big_body()
+    upload = _Upload(data)
+    headers = {"content-length": str(len(data))} if declared else {}
+    r = await client.post("/generate", content=upload, headers=headers)
+    assert r.status_code == 413 and r.json() == _expected("/generate")
+    assert upload.pulled == len(upload.chunks)
+
+
+async def test_a_body_past_the_drain_bound_is_refused_without_reading_it(client, monkeypatch):
+    monkeypatch.setattr(limits, "DRAIN_BYTES", 10 * LIMIT)
+    data = _big_body()
+    upload = _Upload(data)
+    r = await client.post("/generate", content=upload, headers={"content-length": str(len(data))})
+    assert r.status_code == 413 and r.json() == _expected("/generate")
+    assert upload.pulled <= 1  # not read beyond what the transport hands over with the headers
+
+    upload = _Upload(data)  # undeclared: read up to the bound, then refused
+    r = await client.post("/generate", content=upload)
+    assert r.status_code == 413
+    assert LIMIT // 256 < upload.pulled < len(upload.chunks)
+
+
+async def test_a_stalled_upload_still_gets_its_413(client, monkeypatch):
+    monkeypatch.setattr(limits, "DRAIN_S", 0.2)
+    data = _big_body()
+    upload = _Upload(data, stall_after=10)
+    r = await asyncio.wait_for(
+        client.post("/generate", content=upload, headers={"content-length": str(len(data))}), 30)
+    assert r.status_code == 413 and upload.pulled == 10
