@@ -1,0 +1,71 @@
+"""One live controller of the runtime: from ``instantiate`` to ``release``, bound to the
+engine's sequence ids while its segments run (``docs/protocols/controller-runtime.md``)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from engines.controllers.base import Controller, ControllerContext
+
+__all__ = ["ControlledSequence", "record", "tell_branches"]
+
+
+class ControlledSequence:
+    __slots__ = ("binds", "bound_to", "controller", "ctx", "failed", "family", "forks",
+                 "last_pre", "micros", "need_pre", "req_id", "running", "stopped", "timeouts",
+                 "touched")
+
+    def __init__(self, req_id: str, controller: Controller, ctx: ControllerContext,
+                 forks: list[int], family: set[str] | None = None) -> None:
+        self.req_id = req_id
+        self.controller = controller
+        self.ctx = ctx
+        self.forks = forks  # ids of the request's live sequences, shared by its forks
+        # req_ids of the request's live controllers (the frontend's forks, ``fork`` side op),
+        # shared by them: the fork limit counts these too
+        self.family = family if family is not None else {req_id}
+        self.running: Future | None = None
+        self.timeouts = 0
+        self.failed = ""
+        self.stopped = False
+        self.need_pre = True  # a post_process (or the start) since the last pre_process
+        self.last_pre: dict | None = None  # that pre_process's result, until the next post
+        self.bound_to: int | None = None  # the engine's sequence id while a segment runs
+        self.binds = 0  # segments the engine bound: the frontend checks its hook ran
+        self.touched = time.monotonic()
+        self.micros = 0  # time its calls ran since the last ``advance`` reported it
+
+    @property
+    def suspended(self) -> bool:
+        return bool((self.last_pre or {}).get("suspend"))
+
+    @property
+    def live_forks(self) -> int:
+        """The request's live sequences: the engine's (seed forks) or the frontend's."""
+        return max(len(self.forks), len(self.family))
+
+    def fork(self, req_id: str) -> ControlledSequence:
+        """A copy under ``req_id``: its controller copied, sharing the variables and the
+        request's fork counts; nothing of this one's progress (a fresh sequence record)."""
+        ctx = self.ctx.forked()
+        return ControlledSequence(req_id, self.controller.fork(ctx), ctx, self.forks,
+                                  self.family)
+
+
+def tell_branches(parent: ControlledSequence, children: list[ControlledSequence]) -> None:
+    """``Controller.forked`` once every copy is made (the parent is branch 0 and leaves its
+    fork step when told); a controller that fails at it fails its own branch only."""
+    for index, seq in enumerate([parent, *children]):
+        try:
+            seq.controller.forked(index)
+        except Exception as exc:
+            seq.failed = f"{type(exc).__name__}: {exc}"
+
+
+def record(seq: ControlledSequence | None, result: Any, error: str, micros: int) -> dict:
+    """The seed's per-sequence ``SequenceResult``, with the logs and storage written since."""
+    logs, storage = seq.ctx.drain() if seq is not None else ("", [])
+    return {"error": error, "result": result, "storage": storage, "logs": logs,
+            "micros": micros}
