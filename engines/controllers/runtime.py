@@ -24,8 +24,17 @@ from typing import Any
 from engines.controllers.base import PreResult, TokenizerInfo
 from engines.controllers.calls import CallRunner, Calls, Limits, Outcome
 from engines.controllers.masks import apply_allowed, pack_allowed
+from engines.controllers.messages import (
+    BadMessage,
+    MainCommand,
+    MidOp,
+    PostOp,
+    PreOp,
+    StepAnswer,
+    read,
+)
 from engines.controllers.sequence import ControlledSequence, record, tell_branches
-from engines.controllers.shm import BiasMatrix, error_reply, ok_reply, row_ends
+from engines.controllers.shm import BiasMatrix, error_reply, ok_reply
 from engines.controllers.side import SideChannel
 from engines.controllers.tags import ControllerFactory, TagRegistry, module_id_of
 
@@ -60,39 +69,38 @@ class ControllerRuntime:
             return ok_reply({"pong": 1})
         if op == "tokens":
             return ok_reply({"vocab_size": self.tokenizer.vocab_size})
-        if op == "post_pre_process":
-            return ok_reply(self._post_pre_process(cmd.get("post_ops") or [],
-                                                   cmd.get("pre_ops") or [],
-                                                   cmd.get("freed") or []))
+        if op not in ("post_pre_process", "mid_process", "step"):
+            return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
+        try:
+            command = read(cmd, MainCommand)
+        except BadMessage as exc:
+            return error_reply(str(exc), is_user_error=True)
         if op == "mid_process":
-            return ok_reply(self._mid_process(cmd.get("ops") or []))
-        if op == "step":
-            return ok_reply(self._step(cmd))
-        return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
+            return ok_reply(self._mid_process(command.ops or []))
+        data = self._post_pre_process(command.post_ops or [], command.pre_ops or [],
+                                      command.freed or [])
+        return ok_reply(data if op == "post_pre_process" else self._step(command, data))
 
-    def _step(self, cmd: dict) -> dict:
+    def _step(self, command: MainCommand, data: dict) -> dict:
         """Beyond the seed: ``post_pre_process`` then ``mid_process`` in one round trip (as
         AICI's ABI v2 merged its phases). ``mid_ops`` lists every row the engine may sample;
-        those the first half ends (``row_ends``) get no mask; ``mid.ids`` gives the bias rows'
-        order."""
-        data = self._post_pre_process(cmd.get("post_ops") or [], cmd.get("pre_ops") or [],
-                                      cmd.get("freed") or [])
-        post, pre = data["post_seqs"], data["pre_seqs"]
-        ops = [op for op in cmd.get("mid_ops") or []
-               if not row_ends(post.get(str(op["id"])), pre.get(str(op["id"])))]
-        mid = self._mid_process(ops, bits=cmd.get("mask_format") == "bits")
-        mid["ids"] = [int(op["id"]) for op in ops]
+        those the first half ends get no mask; ``mid.ids`` gives the bias rows' order."""
+        ended = read(data, StepAnswer).ends()
+        ops = [op for op in command.mid_ops or [] if op.id not in ended]
+        mid = self._mid_process(ops, bits=command.mask_format == "bits")
+        mid["ids"] = [op.id for op in ops]
         return {**data, "mid": mid}
 
-    def _post_pre_process(self, post_ops: list, pre_ops: list, freed: list) -> dict:
+    def _post_pre_process(self, post_ops: list[PostOp], pre_ops: list[PreOp],
+                          freed: list[int]) -> dict:
         pre: dict[str, dict] = {}
         with self.lock:
             for seq_id in freed:
-                self.unbind(self._seqs.get(int(seq_id)), int(seq_id))
+                self.unbind(self._seqs.get(seq_id), seq_id)
             # Bound before the posts: a request vLLM preempted and resumed is bound again
             # in the step that reports the tokens it sampled meanwhile.
             for op in pre_ops:
-                seq_id, req_id = int(op["id"]), str(op["req_id"])
+                seq_id, req_id = op.id, op.req_id
                 seq = self._live.get(req_id)
                 if seq is None:
                     pre[str(seq_id)] = record(None, None, f"no instantiated controller for "
@@ -108,14 +116,14 @@ class ControllerRuntime:
         post: dict[str, dict] = {}
         calls = {}
         for op in post_ops:
-            seq_id = int(op["id"])
+            seq_id = op.id
             seq = self._seqs.get(seq_id)
             if seq is None:
                 post[str(seq_id)] = record(None, None, f"unknown sequence {seq_id}", 0)
                 continue
             if seq.failed or seq.stopped:
                 continue
-            tokens, backtrack = list(op.get("tokens") or []), int(op.get("backtrack") or 0)
+            tokens, backtrack = list(op.tokens or []), op.backtrack or 0
             calls[seq_id] = (seq, functools.partial(seq.controller.post_process, tokens, backtrack))
         for seq_id, (_, error, micros) in self.run_post(calls).items():
             seq = calls[seq_id][0]  # the side thread may have released it meanwhile
@@ -178,7 +186,7 @@ class ControllerRuntime:
             out[key] = Outcome(result, error, micros)
         return out
 
-    def _mid_process(self, ops: list, bits: bool = False) -> dict:
+    def _mid_process(self, ops: list[MidOp], bits: bool = False) -> dict:
         """The seed's dense float rows, or (``bits``, beyond the seed) allowed-token bitmasks."""
         vocab = self.tokenizer.vocab_size
         rows = None
@@ -189,7 +197,7 @@ class ControllerRuntime:
         seqs = self._clone_rows(ops)
         calls = {}
         for i, op in enumerate(ops):
-            seq_id = int(op["id"])
+            seq_id = op.id
             if str(seq_id) in seqs:  # its parent was unknown
                 continue
             seq = self._seqs.get(seq_id)
@@ -209,13 +217,13 @@ class ControllerRuntime:
                     apply(rows[i], value)
                 except (TypeError, ValueError) as exc:
                     error = seq.failed = f"mid_process returned an unusable mask: {exc}"
-            seqs[str(ops[i]["id"])] = record(seq, None, error, micros)
+            seqs[str(ops[i].id)] = record(seq, None, error, micros)
         del rows  # no view of the bias buffer outlives the step
         # Beyond the seed: rows left all-zero, which an engine that knows this may skip (the
         # rows are written all the same, for engines that do not).
         return {"seqs": seqs, "num_seqs": len(ops), "unmasked": sorted(unmasked)}
 
-    def _clone_rows(self, ops: list) -> dict[str, dict]:
+    def _clone_rows(self, ops: list[MidOp]) -> dict[str, dict]:
         """The seed's forks: a row with ``clone_id`` new to us is a copy of that parent. Every
         copy is made before any branch learns its index (the parent leaves its fork step when
         told it is branch 0), and before any row's mid_process. Answers the rows whose parent
@@ -223,10 +231,10 @@ class ControllerRuntime:
         failed: dict[str, dict] = {}
         clones: dict[int, list[ControlledSequence]] = {}  # parent id → its copies in this call
         for op in ops:
-            seq_id, clone_id = int(op["id"]), op.get("clone_id")
+            seq_id, clone_id = op.id, op.clone_id
             if clone_id is None or seq_id in self._seqs:
                 continue
-            parent = self._seqs.get(int(clone_id))
+            parent = self._seqs.get(clone_id)
             if parent is None:
                 failed[str(seq_id)] = record(None, None, f"unknown parent {clone_id}", 0)
                 continue
@@ -234,7 +242,7 @@ class ControllerRuntime:
             child.bound_to = seq_id
             parent.forks.append(seq_id)
             self._seqs[seq_id] = child
-            clones.setdefault(int(clone_id), []).append(child)
+            clones.setdefault(clone_id, []).append(child)
         for parent_id, group in clones.items():
             tell_branches(self._seqs[parent_id], group)
         return failed

@@ -81,23 +81,6 @@ def error_reply(message: str, is_user_error: bool = False) -> dict:
     return {"type": "error", "error": message, "is_user_error": is_user_error}
 
 
-def wants_edit(pre: dict | None) -> bool:
-    """Whether a pre result asks for what an engine cannot do in place: a fork, a suspend,
-    forced or withdrawn tokens."""
-    if not pre:
-        return False
-    return bool(pre.get("ff_tokens") or pre.get("backtrack") or pre.get("suspend")
-                or pre.get("num_forks", 1) != 1)
-
-
-def row_ends(post: dict | None, pre: dict | None) -> bool:
-    """Whether a sequence's step records (``post_seqs`` / ``pre_seqs`` entries) end it in an
-    engine that cannot edit in place: the controller stopped or failed, or :func:`wants_edit`."""
-    if post and (post.get("error") or (post.get("result") or {}).get("stop")):
-        return True
-    return pre is not None and bool(pre.get("error") or wants_edit(pre.get("result")))
-
-
 def _settle(fut: Future, value: Any = None, error: BaseException | None = None) -> None:
     """Answer a side request, unless its caller gave up on it: an awaiting task that is
     cancelled (a client disconnect) cancels the future, and setting a cancelled future raises,

@@ -22,6 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from engines.controllers.base import ControllerContext, ControllerError, Variables
+from engines.controllers.messages import (
+    Advance,
+    BadMessage,
+    Fork,
+    Instantiate,
+    Release,
+    SetTags,
+    read,
+)
 from engines.controllers.sequence import ControlledSequence, tell_branches
 from engines.controllers.shm import error_reply, ok_reply
 
@@ -57,7 +66,10 @@ class SideChannel:
         elif op == "get_tags":
             reply(self.rt.tags.get_tags())
         elif op == "set_tags":
-            reply(self.rt.tags.set_tags(request, auth))
+            try:
+                reply(self.rt.tags.set_tags(read(request, SetTags), auth))
+            except BadMessage as exc:
+                reply(error_reply(str(exc), is_user_error=True))
         elif op in ("advance", "release", "fork"):
             handler = {"advance": self.advance, "release": self._release,
                        "fork": self._fork}[op]
@@ -72,11 +84,12 @@ class SideChannel:
     def _answer(self, reply: Reply, handler: Callable[[dict], dict], request: dict) -> None:
         try:
             reply(handler(request))
+        except BadMessage as exc:
+            reply(error_reply(str(exc), is_user_error=True))
         except Exception as exc:  # answered, so the frontend never waits out its timeout
             reply(error_reply(f"{type(exc).__name__}: {exc}"))
 
-    def _controller(self, request: dict) -> ControlledSequence | dict:
-        req_id = request.get("req_id")
+    def _controller(self, req_id: object) -> ControlledSequence | dict:
         with self.rt.lock:
             seq = self.rt._live.get(req_id) if isinstance(req_id, str) else None
         return seq or error_reply(f"no controller for req_id {req_id!r}", is_user_error=True)
@@ -86,12 +99,11 @@ class SideChannel:
         ``pre_process`` owed. Answers the sequence's state: ``stop``, ``error`` and the pending
         ``pre`` result (``suspend`` / ``num_forks`` / ``ff_tokens``; None once stopped), plus
         the ``logs`` and ``storage`` of every call since the previous ``advance``."""
-        seq = self._controller(request)
+        advance = read(request, Advance)
+        seq = self._controller(advance.req_id)
         if isinstance(seq, dict):
             return seq
-        tokens, backtrack = request.get("tokens") or [], int(request.get("backtrack") or 0)
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            return error_reply("'tokens' is a list of token ids", is_user_error=True)
+        tokens, backtrack = advance.tokens or [], advance.backtrack or 0
         with self.rt.lock:
             # The engine is done with the segment, though its ``freed`` may come later:
             # from here its steps leave this controller alone.
@@ -113,7 +125,7 @@ class SideChannel:
         return ok_reply({**state, "logs": logs, "storage": storage, "micros": micros})
 
     def _release(self, request: dict) -> dict:
-        req_id = request.get("req_id")
+        req_id = read(request, Release).req_id
         with self.rt.lock:
             seq = self.rt._live.pop(req_id, None) if isinstance(req_id, str) else None
             self.rt.unbind(seq, seq.bound_to if seq is not None else None)
@@ -127,12 +139,12 @@ class SideChannel:
         ``num_forks = n`` is copied under the ``n - 1`` req_ids in ``into`` (branches 1..n-1;
         it stays branch 0). The copies share its variables; every branch owes a pre_process,
         which its next ``advance`` runs."""
-        seq = self._controller(request)
+        fork = read(request, Fork)
+        seq = self._controller(fork.req_id)
         if isinstance(seq, dict):
             return seq
-        into = request.get("into")
-        if not isinstance(into, list) or not into or \
-                not all(isinstance(r, str) and r for r in into) or len(set(into)) != len(into):
+        into = fork.into
+        if not into or not all(into) or len(set(into)) != len(into):
             return error_reply("'into' is a list of distinct new req_ids", is_user_error=True)
         asked = (seq.last_pre or {}).get("num_forks", 1)
         if seq.failed or seq.stopped or asked != len(into) + 1:
@@ -169,13 +181,20 @@ class SideChannel:
                                   f"{self.limits.init_s * 1000:g} ms", is_user_error=True))
 
         def build() -> None:
-            answer = self._instantiate(request, first)
+            try:
+                instantiate = read(request, Instantiate)
+            except BadMessage as exc:
+                instantiate = None
+                answer = error_reply(str(exc), is_user_error=True)
+                answer = answer if first.acquire(blocking=False) else None
+            else:
+                answer = self._instantiate(instantiate, first)
             timer.cancel()
-            if answer is not None and answer.get("type") == "ok" and request.get("advance"):
+            if answer is not None and answer["type"] == "ok" and instantiate.advance:
                 # Beyond the seed: the first ``advance`` in the same answer (one round trip
                 # less before a controlled request's prefill).
                 try:
-                    answer = self.advance({"req_id": request["req_id"], "tokens": []})
+                    answer = self.advance({"req_id": instantiate.req_id, "tokens": []})
                 except Exception as exc:  # answered, so the frontend never waits out a timeout
                     answer = error_reply(f"{type(exc).__name__}: {exc}")
             if answer is not None:
@@ -186,12 +205,12 @@ class SideChannel:
         timer.start()
         self._pool.submit(build)
 
-    def _instantiate(self, request: dict, first: threading.Lock) -> dict | None:
+    def _instantiate(self, request: Instantiate, first: threading.Lock) -> dict | None:
         """The answer, or None when the timeout answered first (nothing is kept then)."""
         answer = self._build(request)
         if not isinstance(answer, ControlledSequence):
             return answer if first.acquire(blocking=False) else None
-        req_id = request["req_id"]
+        req_id = request.req_id
         now = time.monotonic()
         with self.rt.lock:
             if not first.acquire(blocking=False):
@@ -210,9 +229,9 @@ class SideChannel:
         logs, storage = answer.ctx.drain()
         return ok_reply({"logs": logs, "storage": storage} if logs or storage else {})
 
-    def _build(self, request: dict) -> dict | ControlledSequence:
-        req_id, module = request.get("req_id"), request.get("module_id")
-        arg, prompt = request.get("module_arg"), request.get("prompt", [])
+    def _build(self, request: Instantiate) -> dict | ControlledSequence:
+        req_id, module = request.req_id, request.module_id
+        arg, prompt = request.module_arg, request.prompt
         if not isinstance(req_id, str) or not req_id:
             return error_reply("'req_id' is a non-empty string", is_user_error=True)
         factory = self.rt.tags.factory(module)

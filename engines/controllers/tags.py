@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from engines.controllers.base import Controller, ControllerContext
+from engines.controllers.messages import SetTags
 from engines.controllers.shm import error_reply, ok_reply
 from protocols.controller_tags import MAX_USER_TAGS, check_tags
 
@@ -53,8 +54,8 @@ class TagRegistry:
             tags = sorted(self._tags.values(), key=lambda t: t["updated_at"], reverse=True)
         return ok_reply({"tags": tags})
 
-    def set_tags(self, request: dict, auth: dict) -> dict:
-        module_id, tags = request.get("module_id"), request.get("tags")
+    def set_tags(self, request: SetTags, auth: dict) -> dict:
+        module_id, tags = request.module_id, request.tags
         if module_id not in self._modules:
             return error_reply(f"unknown module_id {module_id!r}", is_user_error=True)
         with self._lock:

@@ -44,13 +44,8 @@ from typing import Any
 
 import msgspec
 
-from engines.controllers.shm import (
-    ChannelError,
-    ChannelFull,
-    RuntimeReplyError,
-    SideClient,
-    wants_edit,
-)
+from engines.controllers.messages import AdvanceAnswer, PreState, read
+from engines.controllers.shm import ChannelError, ChannelFull, RuntimeReplyError, SideClient
 from engines.detokenize import IncrementalDecoder
 from protocols.internal import (
     DEADLOCK,
@@ -166,21 +161,22 @@ class ControlledRun:
             log.error("controller runtime unreachable (%s): %s", self.req_id, exc)
             raise _ControllerFailed("controller runtime unreachable", "engine") from None
 
-    async def _advance(self, tokens: list[int], backtrack: int = 0) -> dict:
+    async def _advance(self, tokens: list[int], backtrack: int = 0) -> AdvanceAnswer:
         self.asked_at = self.family.version  # what a suspended answer has seen (_wait)
         return self._state(await self._side("advance", req_id=self.req_id, tokens=tokens,
                                             backtrack=backtrack))
 
-    def _state(self, state: dict) -> dict:
-        self.binds = state.get("binds", self.binds)
-        if state.get("logs"):
-            self.logs.append(state["logs"])
-        self.storage += state.get("storage") or []
-        self.micros += int(state.get("micros") or 0)
-        if state.get("storage"):  # a variable a sibling waits for may be among them
+    def _state(self, answer: dict) -> AdvanceAnswer:
+        state = read(answer, AdvanceAnswer)
+        self.binds = state.binds
+        if state.logs:
+            self.logs.append(state.logs)
+        self.storage += state.storage
+        self.micros += state.micros
+        if state.storage:  # a variable a sibling waits for may be among them
             self.family.bump()
-        if state.get("error"):
-            raise _ControllerFailed(f"controller failed: {state['error']}", "validation")
+        if state.error:
+            raise _ControllerFailed(f"controller failed: {state.error}", "validation")
         return state
 
     async def stream(self) -> AsyncIterator[Event]:
@@ -232,7 +228,7 @@ class ControlledRun:
         except ChannelError:
             pass
 
-    async def _branch(self, state: dict | None) -> AsyncIterator[Event]:
+    async def _branch(self, state: AdvanceAnswer | None) -> AsyncIterator[Event]:
         """This branch's events to its end; ``state`` None: a fork's, whose pre is owed."""
         try:
             if state is None:
@@ -263,9 +259,9 @@ class ControlledRun:
                 elif isinstance(event, ErrorEvent):
                     return  # ends the stream: the other branches are cancelled on the way out
 
-    async def _segments(self, state: dict) -> AsyncIterator[Event]:
+    async def _segments(self, state: AdvanceAnswer) -> AsyncIterator[Event]:
         while True:
-            if state.get("stop"):  # before the budget: a stop on the last token is a stop
+            if state.stop:  # before the budget: a stop on the last token is a stop
                 for event in self._finish("eos"):
                     yield event
                 return
@@ -276,22 +272,22 @@ class ControlledRun:
                 for event in self._finish("length"):
                     yield event
                 return
-            pre = state.get("pre") or {}
-            if pre.get("suspend"):
+            pre = state.pre or PreState()
+            if pre.suspend:
                 for event in self._flush():  # a waiting branch's last token is not held back
                     yield event
                 state = await self._wait()
                 continue
-            if pre.get("num_forks", 1) > 1:
-                if pre.get("ff_tokens") or pre.get("backtrack"):
+            if pre.num_forks > 1:
+                if pre.ff_tokens or pre.backtrack:
                     raise _ControllerFailed("a pre result that forks cannot also force or "
                                             "withdraw tokens on this engine", "validation")
-                for event in await self._fork(int(pre["num_forks"])):
+                for event in await self._fork(pre.num_forks):
                     yield event
                 state = await self._advance([])
                 continue
-            forced = list(pre.get("ff_tokens") or [])
-            backtrack = int(pre.get("backtrack") or 0)
+            forced = list(pre.ff_tokens)
+            backtrack = pre.backtrack
             if backtrack:
                 for event in self._backtrack(backtrack):
                     yield event
@@ -340,13 +336,13 @@ class ControlledRun:
                 if self.binds == binds:  # no hook step saw it: it ended every row, or is off
                     raise _ControllerFailed("the engine's controller hook did not run this "
                                             "request", "engine")
-                if wants_edit(state.get("pre")) and not state.get("stop"):
+                if state.pre is not None and state.pre.wants_edit and not state.stop:
                     # ended for forced tokens: the stop token is not output
                     self.carry += _without(last.text, self._text([last.token_id]))
                     continue
                 for event in self._hold(last):
                     yield event
-                if not state.get("stop"):  # sampled: the controller sees it like any token
+                if not state.stop:  # sampled: the controller sees it like any token
                     state = await self._advance([last.token_id])
                 continue
             for event in self._hold(last):
@@ -378,7 +374,7 @@ class ControlledRun:
             events.append(ForkEvent(index=index, parent=self.index))
         return events
 
-    async def _wait(self) -> dict:
+    async def _wait(self) -> AdvanceAnswer:
         """Suspended: ask again once a sibling reported written variables or ended (or after
         a poll); all live branches suspended with nothing new since is a deadlock."""
         family = self.family

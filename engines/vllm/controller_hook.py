@@ -42,13 +42,8 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
-from engines.controllers.shm import (
-    BiasMatrix,
-    ChannelError,
-    MainClient,
-    RuntimeReplyError,
-    row_ends,
-)
+from engines.controllers.messages import MidOp, PostOp, PreOp, StepAnswer, read
+from engines.controllers.shm import BiasMatrix, ChannelError, MainClient, RuntimeReplyError
 
 __all__ = ["AICI_ARG", "ControllerLogitsProcessor", "parse_row_spec"]
 
@@ -253,7 +248,7 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
         post_ops, pre_ops = [], []
         for row in self._rows.values():
             if not row.bound:
-                pre_ops.append({"id": row.seq, "req_id": row.req_id})
+                pre_ops.append(PreOp(id=row.seq, req_id=row.req_id))
                 row.bound = True
             new = []
             for token in row.output[row.reported:]:
@@ -261,37 +256,28 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
                     break
                 new.append(token)
             if new:
-                post_ops.append({"id": row.seq, "tokens": new, "backtrack": 0})
+                post_ops.append(PostOp(id=row.seq, tokens=new, backtrack=0))
                 row.reported += len(new)
         freed, self._freed = self._freed, []
         return {"post_ops": post_ops, "pre_ops": pre_ops, "freed": freed, "mask_format": "bits",
-                "mid_ops": [{"id": self._rows[i].seq, "clone_id": None}
+                "mid_ops": [MidOp(id=self._rows[i].seq)
                             for i in sorted(self._rows) if not self._rows[i].ending]}
-
-    @staticmethod
-    def _ends(data: dict) -> set[int]:
-        """The sequences a step's answer ends: stopped, failed or editing in its first half,
-        or failed in mid_process."""
-        post, pre = data.get("post_seqs") or {}, data.get("pre_seqs") or {}
-        seqs = {int(s) for s in {*post, *pre} if row_ends(post.get(s), pre.get(s))}
-        mid = (data.get("mid") or {}).get("seqs") or {}
-        return seqs | {int(s) for s, result in mid.items() if (result or {}).get("error")}
 
     def _fold(self, data: dict) -> None:
         """An answer no apply() used: its masks are stale (the next step asks again), but the
         rows it ends still end."""
-        ends = self._ends(data)
+        ends = read(data, StepAnswer).ends()
         for row in self._rows.values():
             row.ending = row.ending or row.seq in ends
 
     def _answer(self, logits: torch.Tensor, data: dict) -> set[int]:
         """Apply a step's answer to this step's logits. Returns the rows to end this step."""
-        ends = self._ends(data)
+        answer = read(data, StepAnswer)
+        ends = answer.ends()
         index_of = {row.seq: i for i, row in self._rows.items()}
-        mid = data.get("mid") or {}
-        rows = [index_of.get(seq, -1) for seq in mid.get("ids") or ()]
+        rows = [index_of.get(seq, -1) for seq in answer.mid.ids]
         if rows:  # a bias row of a sequence no longer in the batch (none should be) is skipped
-            self._mask(logits, rows, {*(mid.get("unmasked") or ()),
+            self._mask(logits, rows, {*answer.mid.unmasked,
                                       *(k for k, i in enumerate(rows) if i < 0)})
         return {i for i, row in self._rows.items() if row.ending or row.seq in ends}
 

@@ -1,0 +1,176 @@
+"""The controller runtime's messages as types (``docs/protocols/controller-runtime.md``).
+
+The wire stays the seed's JSON; these are what each end reads it as. The runtime decodes every
+command it is sent with :func:`read` (a malformed one is the sender's error, in the runtime's
+error shape); the engine's hook and frontend decode the runtime's answers (:class:`StepAnswer`,
+:class:`AdvanceAnswer`) the same way, so no field is looked up by name at a call site.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+__all__ = [
+    "Advance", "AdvanceAnswer", "BadMessage", "Fork", "Instantiate", "MainCommand", "MidOp",
+    "PostOp", "PostRecord", "PreOp", "PreRecord", "PreState", "Release", "SetTags", "StepAnswer",
+    "StepRecord", "Stopped", "read",
+]
+
+T = TypeVar("T")
+
+
+class BadMessage(ValueError):
+    """A command that does not have its op's shape."""
+
+
+def read(data: Any, kind: type[T]) -> T:
+    """``data`` (decoded JSON) as ``kind``, or :class:`BadMessage` saying what is wrong."""
+    try:
+        return msgspec.convert(data, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise BadMessage(f"malformed {kind.__name__} message: {exc}") from None
+
+
+# --- main channel: engine → runtime, one per step ------------------------------------------
+
+class PreOp(msgspec.Struct):
+    """Bind the engine's sequence ``id`` to the controller instantiated as ``req_id``."""
+
+    id: int
+    req_id: str
+
+
+class PostOp(msgspec.Struct):
+    """Tokens sequence ``id`` gained (after withdrawing ``backtrack``) since it was last told."""
+
+    id: int
+    tokens: list[int] | None = None
+    backtrack: int | None = None
+
+
+class MidOp(msgspec.Struct):
+    """A row the engine may sample; ``clone_id``: the seed's fork, a copy of that sequence."""
+
+    id: int
+    clone_id: int | None = None
+
+
+class MainCommand(msgspec.Struct):
+    """``post_pre_process``, ``mid_process`` (the seed's ``ops`` are mid ops) or ``step``
+    (both halves in one round trip; ``mask_format: bits`` asks for bitmask rows)."""
+
+    op: str
+    post_ops: list[PostOp] | None = None
+    pre_ops: list[PreOp] | None = None
+    freed: list[int] | None = None
+    ops: list[MidOp] | None = None
+    mid_ops: list[MidOp] | None = None
+    mask_format: Literal["floats", "bits"] | None = None
+
+
+# --- side channel: frontend → runtime ------------------------------------------------------
+
+class Instantiate(msgspec.Struct):
+    req_id: Any = None  # checked by the runtime, which says what a req_id must be
+    module_id: Any = None
+    module_arg: Any = None
+    prompt: list[int] | str = []
+    advance: bool = False  # answer with the first advance's state (AdvanceAnswer)
+
+
+class Advance(msgspec.Struct):
+    req_id: Any = None
+    tokens: list[int] | None = None
+    backtrack: int | None = None
+
+
+class Fork(msgspec.Struct):
+    req_id: Any = None
+    into: list[str] = []
+
+
+class Release(msgspec.Struct):
+    req_id: Any = None
+
+
+class SetTags(msgspec.Struct):
+    module_id: str | None = None
+    tags: Any = None  # checked by protocols.controller_tags, whose messages name the rule
+
+
+# --- answers: runtime → engine and frontend ------------------------------------------------
+
+class PreState(msgspec.Struct, frozen=True):
+    """A pre_process result (the seed's shape; ``backtrack`` beyond it)."""
+
+    suspend: bool = False
+    num_forks: int = 1
+    ff_tokens: list[int] = []
+    backtrack: int = 0
+
+    @property
+    def wants_edit(self) -> bool:
+        """Whether it asks for what an engine cannot do in place: a fork, a suspend, forced
+        or withdrawn tokens."""
+        return bool(self.ff_tokens or self.backtrack or self.suspend or self.num_forks != 1)
+
+
+class Stopped(msgspec.Struct, frozen=True):
+    """A post_process result."""
+
+    stop: bool = False
+
+
+class StepRecord(msgspec.Struct):
+    """The seed's ``SequenceResult`` of one phase for one sequence (mid's has no result)."""
+
+    error: str = ""
+    storage: list[dict] = []
+    logs: str = ""
+    micros: int = 0
+
+
+class PostRecord(StepRecord):
+    result: Stopped | None = None
+
+
+class PreRecord(StepRecord):
+    result: PreState | None = None
+
+
+class MidAnswer(msgspec.Struct):
+    seqs: dict[int, StepRecord] = {}
+    num_seqs: int = 0
+    unmasked: list[int] = []  # rows left all-allowed, which an engine may skip
+    ids: list[int] = []  # the sequence of each bias row (``step`` only)
+
+
+class StepAnswer(msgspec.Struct):
+    post_seqs: dict[int, PostRecord] = {}
+    pre_seqs: dict[int, PreRecord] = {}
+    mid: MidAnswer = msgspec.field(default_factory=MidAnswer)
+
+    def ends(self) -> set[int]:
+        """The sequences this step ends in an engine that cannot edit in place: stopped,
+        failed, or asking for an edit (:attr:`PreState.wants_edit`)."""
+        ended = {seq for seq, record in self.post_seqs.items()
+                 if record.error or (record.result is not None and record.result.stop)}
+        ended |= {seq for seq, record in self.pre_seqs.items()
+                  if record.error or (record.result is not None and record.result.wants_edit)}
+        return ended | {seq for seq, record in self.mid.seqs.items() if record.error}
+
+
+class AdvanceAnswer(msgspec.Struct):
+    """A controller's state after ``advance`` (or ``instantiate`` with ``advance``): ``pre``
+    is its pending pre result (None once stopped or failed); logs, storage and micros are
+    those of every call since the previous advance."""
+
+    stop: bool = False
+    error: str = ""
+    binds: int = 0  # segments the engine's hook bound it to
+    pre: PreState | None = None
+    logs: str = ""
+    storage: list[dict] = []
+    micros: int = 0

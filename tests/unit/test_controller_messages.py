@@ -1,0 +1,81 @@
+"""The controller runtime's typed messages (engines/controllers/messages.py): a malformed
+command is the sender's error in the runtime's error shape, on either channel, and a step's
+answer reads back as the rows it ends."""
+
+import pytest
+
+from engines.controllers.messages import (
+    AdvanceAnswer,
+    BadMessage,
+    MainCommand,
+    PreState,
+    StepAnswer,
+    read,
+)
+from tests.unit.test_controller_runtime import _instantiate, _runtime, _side
+
+
+@pytest.mark.parametrize("cmd", [
+    {"op": "step", "post_ops": [{"tokens": [1]}]},  # no sequence id
+    {"op": "step", "post_ops": [{"id": 1, "tokens": "abc"}]},
+    {"op": "post_pre_process", "pre_ops": [{"id": "one", "req_id": "r"}]},
+    {"op": "mid_process", "ops": [{"id": 1, "clone_id": [2]}]},
+    {"op": "step", "mask_format": "hex"},
+])
+def test_a_malformed_main_command_is_a_user_error_naming_the_field(cmd):
+    answer = _runtime().handle_main(cmd)
+    assert answer["type"] == "error" and answer["is_user_error"]
+    assert answer["error"].startswith("malformed MainCommand message")
+    assert "$." in answer["error"]  # where in the command
+
+
+def test_numbers_sent_as_strings_are_read_as_numbers():
+    """What a JSON producer without int keys sends (``strict=False``)."""
+    command = read({"op": "step", "freed": ["3"], "mid_ops": [{"id": "4"}]}, MainCommand)
+    assert command.freed == [3] and command.mid_ops[0].id == 4
+
+
+@pytest.mark.parametrize("request_", [
+    {"op": "advance", "req_id": "run-m", "tokens": "abc"},
+    {"op": "advance", "req_id": "run-m", "backtrack": [1]},
+    {"op": "fork", "req_id": "run-m", "into": "run-m.1"},
+    {"op": "instantiate", "req_id": "run-n", "module_id": "scripted", "prompt": {"a": 1}},
+    {"op": "set_tags", "module_id": 7, "tags": ["x"]},
+])
+def test_a_malformed_side_request_is_a_user_error(request_):
+    rt = _runtime()
+    _instantiate(rt, "run-m", "")
+    answer = _side(rt, {"$rid": "r", **request_})
+    assert answer["type"] == "error" and answer["is_user_error"], answer
+    assert answer["error"].startswith("malformed ")
+    assert "run-n" not in rt._live  # nothing was built from a malformed instantiate
+
+
+def test_a_step_answer_ends_stopped_failed_and_editing_rows_only():
+    answer = read({
+        "post_seqs": {"1": {"error": "", "result": {"stop": True}},
+                      "2": {"error": "", "result": {"stop": False}},
+                      "3": {"error": "boom", "result": None}},
+        "pre_seqs": {"4": {"result": {"suspend": False, "num_forks": 1, "ff_tokens": [5]}},
+                     "5": {"result": {"suspend": False, "num_forks": 1, "ff_tokens": []}},
+                     "6": {"result": {"suspend": False, "num_forks": 1, "ff_tokens": [],
+                                      "backtrack": 1}}},
+        "mid": {"seqs": {"7": {"error": "bad mask"}, "8": {"error": ""}}, "ids": [8]},
+    }, StepAnswer)
+    assert answer.ends() == {1, 3, 4, 6, 7}
+    assert answer.mid.ids == [8]
+
+
+def test_an_advance_answer_reads_the_runtimes_own_answer():
+    rt = _runtime()
+    data = _side(rt, {"op": "instantiate", "$rid": "r", "req_id": "run-a", "prompt": [1],
+                      "module_id": "scripted", "module_arg": "ff=3,4",
+                      "advance": True})["data"]
+    state = read(data, AdvanceAnswer)
+    assert not state.stop and not state.error and state.binds == 0
+    assert state.pre == PreState(ff_tokens=[3, 4]) and state.pre.wants_edit
+
+
+def test_bad_message_is_a_value_error_with_the_type_named():
+    with pytest.raises(BadMessage, match="AdvanceAnswer"):
+        read({"stop": "maybe"}, AdvanceAnswer)
