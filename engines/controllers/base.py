@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engines.controllers.messages import PreState
+
 __all__ = ["Controller", "ControllerContext", "ControllerError", "PreResult", "TokenizerInfo",
            "Variables"]
 
@@ -57,11 +59,12 @@ class PreResult:
     backtrack: int = 0  # output tokens withdrawn before ff_tokens are appended
 
     def to_json(self) -> dict:
-        result = {"suspend": self.suspend, "num_forks": self.num_forks,
-                  "ff_tokens": list(self.ff_tokens)}
-        if self.backtrack:  # the seed's shape otherwise
-            result["backtrack"] = self.backtrack
-        return result
+        """As the runtime sends it (:meth:`engines.controllers.messages.PreState.to_json`)."""
+        return self.state().to_json()
+
+    def state(self) -> PreState:
+        """A copy as the runtime's message type (the controller may reuse this object)."""
+        return PreState(self.suspend, self.num_forks, list(self.ff_tokens), self.backtrack)
 
 
 class Variables:

@@ -13,9 +13,9 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 __all__ = [
-    "Advance", "AdvanceAnswer", "BadMessage", "Fork", "Instantiate", "MainCommand", "MidOp",
-    "PostOp", "PostRecord", "PreOp", "PreRecord", "PreState", "Release", "SetTags", "StepAnswer",
-    "StepRecord", "Stopped", "read",
+    "LOCAL", "Advance", "AdvanceAnswer", "Auth", "BadMessage", "Fork", "Instantiate",
+    "MainCommand", "MidOp", "PostOp", "PostRecord", "PreOp", "PreRecord", "PreState", "Release",
+    "Reply", "RowSpec", "SetTags", "StepAnswer", "StepRecord", "Stopped", "read",
 ]
 
 T = TypeVar("T")
@@ -31,6 +31,36 @@ def read(data: Any, kind: type[T]) -> T:
         return msgspec.convert(data, kind, strict=False)
     except msgspec.ValidationError as exc:
         raise BadMessage(f"malformed {kind.__name__} message: {exc}") from None
+
+
+# --- envelopes ------------------------------------------------------------------------------
+
+class Reply(msgspec.Struct):
+    """Every answer: ``ok`` with the op's ``data``, or ``error`` (the sender's own error when
+    ``is_user_error``)."""
+
+    type: Literal["ok", "error"]
+    data: Any = None
+    error: str = ""
+    is_user_error: bool = False
+
+
+class Auth(msgspec.Struct, frozen=True):
+    """A side request's ``$auth``: who asks (tag names are per user; admins name any)."""
+
+    user: str = ""
+    is_admin: bool = False
+
+
+LOCAL = Auth("localhost", is_admin=True)  # a request without ``$auth``: the engine's own
+
+
+class RowSpec(msgspec.Struct, frozen=True):
+    """The frontend's binding of a vLLM request to a controller, in its sampling parameters:
+    the engine sequence id ``seq`` runs the controller instantiated as ``req_id``."""
+
+    seq: int
+    req_id: str
 
 
 # --- main channel: engine → runtime, one per step ------------------------------------------
@@ -109,6 +139,14 @@ class PreState(msgspec.Struct, frozen=True):
     num_forks: int = 1
     ff_tokens: list[int] = []
     backtrack: int = 0
+
+    def to_json(self) -> dict:
+        """The seed's shape: ``backtrack`` only when there is one."""
+        result = {"suspend": self.suspend, "num_forks": self.num_forks,
+                  "ff_tokens": list(self.ff_tokens)}
+        if self.backtrack:
+            result["backtrack"] = self.backtrack
+        return result
 
     @property
     def wants_edit(self) -> bool:

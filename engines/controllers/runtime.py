@@ -180,9 +180,11 @@ class ControllerRuntime:
                              f"of {self.limits.max_forks} per request")
                     seq.failed = error
                 else:
-                    result = value.to_json()
+                    seq.last_pre = value.state()
+                    result = seq.last_pre.to_json()
                     seq.stopped = value.num_forks == 0
-            seq.last_pre = result
+            if result is None:
+                seq.last_pre = None
             out[key] = Outcome(result, error, micros)
         return out
 

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engines.controllers.base import Controller, ControllerContext
+from engines.controllers.messages import PreState
 
 __all__ = ["ControlledSequence", "record", "tell_branches"]
 
@@ -31,7 +32,7 @@ class ControlledSequence:
         self.failed = ""
         self.stopped = False
         self.need_pre = True  # a post_process (or the start) since the last pre_process
-        self.last_pre: dict | None = None  # that pre_process's result, until the next post
+        self.last_pre: PreState | None = None  # that pre_process's result, until the next post
         self.bound_to: int | None = None  # the engine's sequence id while a segment runs
         self.binds = 0  # segments the engine bound: the frontend checks its hook ran
         self.touched = time.monotonic()
@@ -39,7 +40,7 @@ class ControlledSequence:
 
     @property
     def suspended(self) -> bool:
-        return bool((self.last_pre or {}).get("suspend"))
+        return self.last_pre is not None and self.last_pre.suspend
 
     @property
     def live_forks(self) -> int:

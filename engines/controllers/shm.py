@@ -36,6 +36,8 @@ import msgspec
 import numpy as np
 import posix_ipc
 
+from engines.controllers.messages import BadMessage, Reply, read
+
 __all__ = [
     "DEFAULT_PREFIX", "BiasMatrix", "ChannelClosed", "ChannelObjects", "ChannelError", "ChannelFull",
     "ChannelTimeout", "MainClient", "MainServer", "MessageSlot", "RuntimeReplyError",
@@ -94,9 +96,13 @@ def _settle(fut: Future, value: Any = None, error: BaseException | None = None) 
 
 
 def _unwrap(reply: dict) -> Any:
-    if reply.get("type") == "ok":
-        return reply.get("data")
-    raise RuntimeReplyError(str(reply.get("error") or reply), bool(reply.get("is_user_error")))
+    try:
+        answer = read(reply, Reply)
+    except BadMessage as exc:
+        raise RuntimeReplyError(f"unreadable answer from the runtime: {exc}") from None
+    if answer.type == "ok":
+        return answer.data
+    raise RuntimeReplyError(answer.error or "the runtime answered an error", answer.is_user_error)
 
 
 def _map_shm(name: str, size: int, create: bool) -> mmap.mmap:

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 
 from engines.controllers.base import ControllerContext, ControllerError, Variables
 from engines.controllers.messages import (
+    LOCAL,
     Advance,
+    Auth,
     BadMessage,
     Fork,
     Instantiate,
@@ -58,7 +60,7 @@ class SideChannel:
 
     def handle(self, request: dict, reply: Reply) -> None:
         op = request["op"]
-        auth = request.get("$auth") or {"user": "localhost", "is_admin": True}
+        auth = request.get("$auth")
         if op == "instantiate":
             # Building a controller may compile a grammar: off the side channel's thread, so
             # other side requests are answered meanwhile (out of order, by $rid).
@@ -67,7 +69,8 @@ class SideChannel:
             reply(self.rt.tags.get_tags())
         elif op == "set_tags":
             try:
-                reply(self.rt.tags.set_tags(read(request, SetTags), auth))
+                who = LOCAL if auth is None else read(auth, Auth)
+                reply(self.rt.tags.set_tags(read(request, SetTags), who))
             except BadMessage as exc:
                 reply(error_reply(str(exc), is_user_error=True))
         elif op in ("advance", "release", "fork"):
@@ -118,7 +121,8 @@ class SideChannel:
         if not error and not seq.stopped and seq.need_pre:
             error = self.rt.run_pre({0: (seq, seq.controller.pre_process)})[0].error
         state = {"stop": seq.stopped, "error": error or seq.failed, "binds": seq.binds,
-                 "pre": None if seq.stopped or error else seq.last_pre}
+                 "pre": None if seq.stopped or error or seq.last_pre is None
+                 else seq.last_pre.to_json()}
         seq.ctx.drain()  # this call's entries are in the journal too
         logs, storage = seq.ctx.journal()  # since the last advance: the segment's steps too
         micros, seq.micros = seq.micros, 0
@@ -146,7 +150,7 @@ class SideChannel:
         into = fork.into
         if not into or not all(into) or len(set(into)) != len(into):
             return error_reply("'into' is a list of distinct new req_ids", is_user_error=True)
-        asked = (seq.last_pre or {}).get("num_forks", 1)
+        asked = seq.last_pre.num_forks if seq.last_pre is not None else 1
         if seq.failed or seq.stopped or asked != len(into) + 1:
             return error_reply(f"controller {seq.req_id!r} did not ask for {len(into) + 1} "
                                f"forks", is_user_error=True)

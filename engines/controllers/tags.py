@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from engines.controllers.base import Controller, ControllerContext
-from engines.controllers.messages import SetTags
+from engines.controllers.messages import Auth, SetTags
 from engines.controllers.shm import error_reply, ok_reply
 from protocols.controller_tags import MAX_USER_TAGS, check_tags
 
@@ -54,20 +54,19 @@ class TagRegistry:
             tags = sorted(self._tags.values(), key=lambda t: t["updated_at"], reverse=True)
         return ok_reply({"tags": tags})
 
-    def set_tags(self, request: SetTags, auth: dict) -> dict:
+    def set_tags(self, request: SetTags, auth: Auth) -> dict:
         module_id, tags = request.module_id, request.tags
         if module_id not in self._modules:
             return error_reply(f"unknown module_id {module_id!r}", is_user_error=True)
         with self._lock:
             users = len(self._tags) - len(self._builtin)
-        why = check_tags(tags, str(auth.get("user", "")), bool(auth.get("is_admin")),
-                         self._builtin)
+        why = check_tags(tags, auth.user, auth.is_admin, self._builtin)
         if why is None and users + len(tags) > MAX_USER_TAGS:
             why = f"at most {MAX_USER_TAGS} user tags"
         if why is not None:
             return error_reply(why, is_user_error=True)
         now = int(time.time())
-        infos = [_info(tag, module_id, now, str(auth.get("user", ""))) for tag in tags]
+        infos = [_info(tag, module_id, now, auth.user) for tag in tags]
         with self._lock:
             self._tags.update({info["tag"]: info for info in infos})
         return ok_reply({"tags": infos})

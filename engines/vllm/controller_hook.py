@@ -36,13 +36,14 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
-from engines.controllers.messages import MidOp, PostOp, PreOp, StepAnswer, read
+from engines.controllers.messages import MidOp, PostOp, PreOp, RowSpec, StepAnswer, read
 from engines.controllers.shm import BiasMatrix, ChannelError, MainClient, RuntimeReplyError
 
 __all__ = ["AICI_ARG", "ControllerLogitsProcessor", "parse_row_spec"]
@@ -61,14 +62,15 @@ CHANNEL_TIMEOUT_S = 5.0
 _LEFT_KEPT = 4096  # sequences that left the batch whose reported count is kept
 
 
-def parse_row_spec(params: SamplingParams) -> dict | None:
+def parse_row_spec(params: SamplingParams) -> RowSpec | None:
     """The request's controller binding, or None; ``ValueError`` when malformed."""
     spec = (params.extra_args or {}).get(AICI_ARG)
     if spec is None:
         return None
-    if not isinstance(spec, dict) or not isinstance(spec.get("seq"), int) or \
-            not isinstance(spec.get("req_id"), str):
-        raise ValueError(f'extra_args["{AICI_ARG}"] is {{"seq": int, "req_id": str}}')
+    try:
+        spec = msgspec.convert(spec, RowSpec)  # strict: a binding is made by our frontend
+    except msgspec.ValidationError:
+        raise ValueError(f'extra_args["{AICI_ARG}"] is {{"seq": int, "req_id": str}}') from None
     if params.eos_token_id is not None and not params.ignore_eos:
         raise ValueError("a controlled request sets ignore_eos and lists EOS in stop_token_ids")
     return spec
@@ -90,7 +92,7 @@ def _row_of(params: SamplingParams, output: list[int]) -> _Row | None:
     spec = parse_row_spec(params)
     if spec is None:
         return None
-    return _Row(spec["seq"], spec["req_id"], output, (params.stop_token_ids or [None])[0])
+    return _Row(spec.seq, spec.req_id, output, (params.stop_token_ids or [None])[0])
 
 
 class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):

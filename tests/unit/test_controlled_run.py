@@ -80,7 +80,8 @@ class _Model:
             # with forks, another branch's step call may have run this one's pre (the real
             # engine's step covers every running row): the runtime keeps what it answered
             bound = self.rt._seqs.get(seq)
-            wants = ahead.get("result") or (bound.last_pre if bound is not None else None) or {}
+            kept = bound.last_pre if bound is not None else None
+            wants = ahead.get("result") or (kept.to_json() if kept is not None else None) or {}
             ending = done.get("error") or (done.get("result") or {}).get("stop") or \
                 ahead.get("error") or wants.get("ff_tokens") or wants.get("backtrack")
             token = EOS if ending else self.script[self.k % len(self.script)]

@@ -79,3 +79,30 @@ def test_an_advance_answer_reads_the_runtimes_own_answer():
 def test_bad_message_is_a_value_error_with_the_type_named():
     with pytest.raises(BadMessage, match="AdvanceAnswer"):
         read({"stop": "maybe"}, AdvanceAnswer)
+
+
+def test_an_auth_without_is_admin_is_not_an_admin_and_a_malformed_one_is_refused():
+    rt = _runtime()
+    mod = _side(rt, {"op": "get_tags", "$rid": "a"})["data"]["tags"][0]["module_id"]
+    partial = _side(rt, {"op": "set_tags", "$auth": {"user": "bob"}, "module_id": mod,
+                         "tags": ["other"]})
+    assert partial["type"] == "error" and "permission denied" in partial["error"]
+    malformed = _side(rt, {"op": "set_tags", "$auth": {"user": 5}, "module_id": mod,
+                           "tags": ["bob.x"]})
+    assert malformed["type"] == "error" and malformed["is_user_error"]
+    local = _side(rt, {"op": "set_tags", "module_id": mod, "tags": ["anyone"]})
+    assert local["type"] == "ok"  # no $auth: the engine's own request, as an admin
+
+
+def test_the_hooks_binding_is_read_strictly():
+    from vllm import SamplingParams
+
+    from engines.vllm.controller_hook import AICI_ARG, parse_row_spec
+
+    def params(spec):
+        return SamplingParams(extra_args={AICI_ARG: spec}, ignore_eos=True)
+
+    assert parse_row_spec(params({"seq": 3, "req_id": "r"})).seq == 3
+    for bad in ({"seq": "3", "req_id": "r"}, {"seq": 3}, [3, "r"]):
+        with pytest.raises(ValueError, match="extra_args"):
+            parse_row_spec(params(bad))
