@@ -17,7 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
+
+import msgspec
 
 from engines.controllers.base import Controller, ControllerError
 from engines.controllers.sequence import ControlledSequence
@@ -40,9 +42,10 @@ class Limits:
     workers: int = 8
 
 
-class Outcome(NamedTuple):
+class Outcome(msgspec.Struct, frozen=True, gc=False):
     """What one controller call gave: its value, or the error that failed it ("" when it did
-    not fail), and the microseconds it ran."""
+    not fail), and the microseconds it ran. (A Struct: made for every call of every step, and
+    cheaper to make than a NamedTuple.)"""
 
     value: Any
     error: str

@@ -19,7 +19,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from engines.controllers.base import PreResult, TokenizerInfo
 from engines.controllers.calls import CallRunner, Calls, Limits, Outcome
@@ -30,7 +30,6 @@ from engines.controllers.messages import (
     MidOp,
     PostOp,
     PreOp,
-    StepAnswer,
     read,
 )
 from engines.controllers.sequence import ControlledSequence, record, tell_branches
@@ -39,6 +38,15 @@ from engines.controllers.side import SideChannel
 from engines.controllers.tags import ControllerFactory, TagRegistry, module_id_of
 
 __all__ = ["ControllerFactory", "ControllerRuntime", "Limits", "module_id_of"]
+
+
+class _FirstHalf(NamedTuple):
+    """A ``post_pre_process`` answer, and the sequences it ends in an engine that cannot edit
+    in place (stopped, failed, or asking for an edit: ``StepAnswer.ends`` as the engine reads
+    it)."""
+
+    data: dict
+    ended: set[int]
 
 
 class ControllerRuntime:
@@ -77,23 +85,61 @@ class ControllerRuntime:
             return error_reply(str(exc), is_user_error=True)
         if op == "mid_process":
             return ok_reply(self._mid_process(command.ops or []))
-        data = self._post_pre_process(command.post_ops or [], command.pre_ops or [],
+        half = self._post_pre_process(command.post_ops or [], command.pre_ops or [],
                                       command.freed or [])
-        return ok_reply(data if op == "post_pre_process" else self._step(command, data))
+        return ok_reply(half.data if op == "post_pre_process" else self._step(command, half))
 
-    def _step(self, command: MainCommand, data: dict) -> dict:
+    def _step(self, command: MainCommand, half: _FirstHalf) -> dict:
         """Beyond the seed: ``post_pre_process`` then ``mid_process`` in one round trip (as
         AICI's ABI v2 merged its phases). ``mid_ops`` lists every row the engine may sample;
         those the first half ends get no mask; ``mid.ids`` gives the bias rows' order."""
-        ended = read(data, StepAnswer).ends()
-        ops = [op for op in command.mid_ops or [] if op.id not in ended]
+        ops = [op for op in command.mid_ops or [] if op.id not in half.ended]
         mid = self._mid_process(ops, bits=command.mask_format == "bits")
         mid["ids"] = [op.id for op in ops]
-        return {**data, "mid": mid}
+        return {**half.data, "mid": mid}
 
     def _post_pre_process(self, post_ops: list[PostOp], pre_ops: list[PreOp],
-                          freed: list[int]) -> dict:
-        pre: dict[str, dict] = {}
+                          freed: list[int]) -> _FirstHalf:
+        half = _FirstHalf({"post_seqs": {}, "pre_seqs": {}}, set())
+        post, pre = half.data["post_seqs"], half.data["pre_seqs"]
+        self._bind(freed, pre_ops, half)
+        calls = {}
+        for op in post_ops:
+            seq_id = op.id
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                post[str(seq_id)] = record(None, None, f"unknown sequence {seq_id}", 0)
+                half.ended.add(seq_id)
+                continue
+            if seq.failed or seq.stopped:
+                continue
+            tokens, backtrack = list(op.tokens or []), op.backtrack or 0
+            calls[seq_id] = (seq, functools.partial(seq.controller.post_process, tokens, backtrack))
+        for seq_id, outcome in self.run_post(calls).items():
+            error, micros = outcome.error, outcome.micros
+            seq = calls[seq_id][0]  # the side thread may have released it meanwhile
+            post[str(seq_id)] = record(seq, None if error else {"stop": seq.stopped}, error,
+                                       micros)
+            if error or seq.stopped:
+                half.ended.add(seq_id)
+        with self.lock:
+            # Only sequences the engine runs now; one the frontend is advancing is unbound.
+            # A suspended sequence asks again every step (a sibling may have set what it
+            # waits for); it was not scheduled, so no post_process made a pre due.
+            calls = {seq_id: (seq, seq.controller.pre_process)
+                     for seq_id, seq in self._seqs.items()
+                     if seq.bound_to == seq_id and (seq.need_pre or seq.suspended)
+                     and not (seq.failed or seq.stopped)}
+        for seq_id, outcome in self.run_pre(calls).items():
+            value, error, micros = outcome.value, outcome.error, outcome.micros
+            seq = calls[seq_id][0]
+            pre[str(seq_id)] = record(seq, None if error else value, error, micros)
+            if error or (seq.last_pre is not None and seq.last_pre.wants_edit):
+                half.ended.add(seq_id)
+        return half
+
+    def _bind(self, freed: list[int], pre_ops: list[PreOp], half: _FirstHalf) -> None:
+        """Frees the engine's ids it says left, then binds those ``pre_ops`` name."""
         with self.lock:
             for seq_id in freed:
                 self.unbind(self._seqs.get(seq_id), seq_id)
@@ -103,44 +149,17 @@ class ControllerRuntime:
                 seq_id, req_id = op.id, op.req_id
                 seq = self._live.get(req_id)
                 if seq is None:
-                    pre[str(seq_id)] = record(None, None, f"no instantiated controller for "
-                                                          f"{req_id!r}", 0)
+                    why = f"no instantiated controller for {req_id!r}"
                 elif seq_id in self._seqs or seq.bound_to is not None:
-                    pre[str(seq_id)] = record(None, None, f"sequence {seq_id} or controller "
-                                                          f"{req_id!r} is already bound", 0)
+                    why = f"sequence {seq_id} or controller {req_id!r} is already bound"
                 else:
                     seq.bound_to = seq_id
                     seq.binds += 1
                     seq.forks.append(seq_id)
                     self._seqs[seq_id] = seq
-        post: dict[str, dict] = {}
-        calls = {}
-        for op in post_ops:
-            seq_id = op.id
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                post[str(seq_id)] = record(None, None, f"unknown sequence {seq_id}", 0)
-                continue
-            if seq.failed or seq.stopped:
-                continue
-            tokens, backtrack = list(op.tokens or []), op.backtrack or 0
-            calls[seq_id] = (seq, functools.partial(seq.controller.post_process, tokens, backtrack))
-        for seq_id, (_, error, micros) in self.run_post(calls).items():
-            seq = calls[seq_id][0]  # the side thread may have released it meanwhile
-            post[str(seq_id)] = record(seq, None if error else {"stop": seq.stopped}, error,
-                                       micros)
-        with self.lock:
-            # Only sequences the engine runs now; one the frontend is advancing is unbound.
-            # A suspended sequence asks again every step (a sibling may have set what it
-            # waits for); it was not scheduled, so no post_process made a pre due.
-            calls = {seq_id: (seq, seq.controller.pre_process)
-                     for seq_id, seq in self._seqs.items()
-                     if seq.bound_to == seq_id and (seq.need_pre or seq.suspended)
-                     and not (seq.failed or seq.stopped)}
-        for seq_id, (value, error, micros) in self.run_pre(calls).items():
-            seq = calls[seq_id][0]
-            pre[str(seq_id)] = record(seq, None if error else value, error, micros)
-        return {"post_seqs": post, "pre_seqs": pre}
+                    continue
+                half.data["pre_seqs"][str(seq_id)] = record(None, None, why, 0)
+                half.ended.add(seq_id)
 
     def unbind(self, seq: ControlledSequence | None, seq_id: int | None) -> None:
         """Under ``lock``: the engine's ``seq_id`` no longer runs ``seq``."""
@@ -155,16 +174,17 @@ class ControllerRuntime:
 
     def run_post(self, calls: Calls) -> dict[Any, Outcome]:
         out = self.calls.run(calls, stateful=True)
-        for key, (value, error, _) in out.items():
+        for key, outcome in out.items():
             seq = calls[key][0]
-            seq.stopped = bool(value) and not error
+            seq.stopped = bool(outcome.value) and not outcome.error
             seq.need_pre, seq.last_pre, seq.touched = True, None, time.monotonic()
         return out
 
     def run_pre(self, calls: Calls) -> dict[Any, Outcome]:
         """``value`` becomes the seed's pre result (a dict) or an error."""
         out = {}
-        for key, (value, error, micros) in self.calls.run(calls, stateful=True).items():
+        for key, outcome in self.calls.run(calls, stateful=True).items():
+            value, error, micros = outcome.value, outcome.error, outcome.micros
             seq = calls[key][0]
             seq.need_pre = False
             result = None
@@ -210,7 +230,8 @@ class ControllerRuntime:
             else:
                 calls[i] = (seq, seq.controller.mid_process)
         unmasked = []
-        for i, (value, error, micros) in self.calls.run(calls, stateful=False).items():
+        for i, outcome in self.calls.run(calls, stateful=False).items():
+            value, error, micros = outcome.value, outcome.error, outcome.micros
             seq = calls[i][0]
             if not error and value is None:
                 unmasked.append(i)
