@@ -40,13 +40,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.pipeline import _cpu_flags  # noqa: E402
-from engines.controllers.shm import ChannelObjects, MainClient, SideClient  # noqa: E402
+from engines.controllers.channels import MainClient, SideClient  # noqa: E402
+from engines.controllers.shm import ChannelObjects  # noqa: E402
 
 RUNTIME = r"""
 import sys, threading
 from engines.controllers.builtin import BUILTIN_CONTROLLERS, HFTokenizerInfo
 from engines.controllers.runtime import ControllerRuntime
-from engines.controllers.shm import BiasMatrix, MainServer, SideServer
+from engines.controllers.shm import BiasMatrix
+from engines.controllers.channels import MainServer, SideServer
 prefix, model_dir = sys.argv[1], sys.argv[2]
 tok = HFTokenizerInfo.from_pretrained(model_dir)
 tok.llg  # built once at start, as a runtime actor does

@@ -116,22 +116,7 @@ def _parse_steps(steps: list, where_prefix: str, count: list[int]) -> list[_Step
             parsed.append(step)
             continue
         if kind == "Gen":
-            if spec.get("yacc") is not None:
-                raise _fail(where, "yacc grammars are not supported; use rx")
-            inner = spec.get("inner") or []
-            if not isinstance(inner, list) or not all(
-                    isinstance(c, dict) and isinstance(c.get("after"), str) and c["after"]
-                    and isinstance(c.get("options"), dict) for c in inner):
-                raise _fail(where, 'Gen.inner is [{"after": <text>, "options": <expression>}]')
-            if inner and spec.get("rx") is not None:
-                raise _fail(where, "Gen.inner cannot be combined with rx (as in AICI)")
-            for limit in ("max_tokens", "max_words", "max_bytes"):
-                value = spec.get(limit)
-                if value is not None and (not isinstance(value, int) or value < 1):
-                    raise _fail(where, f"Gen.{limit} is a positive integer")
-            for text in ("rx", "stop_at"):
-                if spec.get(text) is not None and not isinstance(spec[text], str):
-                    raise _fail(where, f"Gen.{text} is a string")
+            _check_gen(spec, where)
         if kind in ("Fixed", "Choose"):
             key = "text" if kind == "Fixed" else "options"
             if not isinstance(spec.get(key), dict):
@@ -147,6 +132,25 @@ def _parse_steps(steps: list, where_prefix: str, count: list[int]) -> list[_Step
         step.stmts = stmts
         parsed.append(step)
     return parsed
+
+
+def _check_gen(spec: dict, where: str) -> None:
+    if spec.get("yacc") is not None:
+        raise _fail(where, "yacc grammars are not supported; use rx")
+    inner = spec.get("inner") or []
+    if not isinstance(inner, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("after"), str) and c["after"]
+            and isinstance(c.get("options"), dict) for c in inner):
+        raise _fail(where, 'Gen.inner is [{"after": <text>, "options": <expression>}]')
+    if inner and spec.get("rx") is not None:
+        raise _fail(where, "Gen.inner cannot be combined with rx (as in AICI)")
+    for limit in ("max_tokens", "max_words", "max_bytes"):
+        value = spec.get(limit)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise _fail(where, f"Gen.{limit} is a positive integer")
+    for text in ("rx", "stop_at"):
+        if spec.get(text) is not None and not isinstance(spec[text], str):
+            raise _fail(where, f"Gen.{text} is a string")
 
 
 class DeclController(Controller):

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from engines.controllers.base import PreResult, TokenizerInfo
 from engines.controllers.calls import CallRunner, Calls, Limits, Outcome
+from engines.controllers.channels import error_reply, ok_reply
 from engines.controllers.masks import apply_allowed, pack_allowed
 from engines.controllers.messages import (
     BadMessage,
@@ -33,7 +34,7 @@ from engines.controllers.messages import (
     read,
 )
 from engines.controllers.sequence import ControlledSequence, record, tell_branches
-from engines.controllers.shm import BiasMatrix, error_reply, ok_reply
+from engines.controllers.shm import BiasMatrix
 from engines.controllers.side import SideChannel
 from engines.controllers.tags import ControllerFactory, TagRegistry, module_id_of
 

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from engines.controllers.builtin import BUILTIN_CONTROLLERS, HFTokenizerInfo
+from engines.controllers.channels import MainServer, SideServer
 from engines.controllers.runtime import ControllerFactory, ControllerRuntime, Limits
-from engines.controllers.shm import BiasMatrix, MainServer, SideServer
+from engines.controllers.shm import BiasMatrix
 
 __all__ = ["RuntimeService", "load_controllers", "start_runtime"]
 

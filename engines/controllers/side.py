@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from engines.controllers.base import ControllerContext, ControllerError, Variables
+from engines.controllers.channels import error_reply, ok_reply
 from engines.controllers.messages import (
     LOCAL,
     Advance,
@@ -34,7 +35,6 @@ from engines.controllers.messages import (
     read,
 )
 from engines.controllers.sequence import ControlledSequence, tell_branches
-from engines.controllers.shm import error_reply, ok_reply
 
 if TYPE_CHECKING:
     from engines.controllers.runtime import ControllerRuntime

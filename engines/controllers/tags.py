@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from engines.controllers.base import Controller, ControllerContext
+from engines.controllers.channels import error_reply, ok_reply
 from engines.controllers.messages import Auth, SetTags
-from engines.controllers.shm import error_reply, ok_reply
 from protocols.controller_tags import MAX_USER_TAGS, check_tags
 
 __all__ = ["ControllerFactory", "TagRegistry", "module_id_of"]

@@ -23,8 +23,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from engines.controllers.channels import RuntimeReplyError, SideClient
 from engines.controllers.messages import AdvanceAnswer, read
-from engines.controllers.shm import ChannelError, ChannelFull, RuntimeReplyError, SideClient
+from engines.controllers.shm import ChannelError, ChannelFull
 from engines.vllm.controlled_actions import (
     ControllerFailed,
     Edit,

@@ -43,8 +43,9 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
+from engines.controllers.channels import MainClient, RuntimeReplyError
 from engines.controllers.messages import MidOp, PostOp, PreOp, RowSpec, StepAnswer, read
-from engines.controllers.shm import BiasMatrix, ChannelError, MainClient, RuntimeReplyError
+from engines.controllers.shm import BiasMatrix, ChannelError
 
 __all__ = ["AICI_ARG", "ControllerLogitsProcessor", "parse_row_spec"]
 

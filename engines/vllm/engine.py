@@ -102,9 +102,10 @@ class VLLMEngine:
         """The shm objects, the runtime beside this replica, and the hook in vLLM's args."""
         from transformers import AutoConfig
 
+        from engines.controllers.channels import SideClient
         from engines.controllers.runtime import Limits
         from engines.controllers.service import start_runtime
-        from engines.controllers.shm import ChannelObjects, SideClient
+        from engines.controllers.shm import ChannelObjects
 
         if int(kwargs.get("tensor_parallel_size") or 1) > 1 or \
                 int(kwargs.get("pipeline_parallel_size") or 1) > 1:

@@ -12,8 +12,9 @@ from concurrent.futures import Future
 import pytest
 
 from engines.controllers.base import PreResult
+from engines.controllers.channels import RuntimeReplyError
 from engines.controllers.runtime import ControllerRuntime, Limits
-from engines.controllers.shm import ChannelFull, ChannelTimeout, RuntimeReplyError
+from engines.controllers.shm import ChannelFull, ChannelTimeout
 from engines.vllm.controlled import ControlledRun, Segment
 from protocols.internal import (
     BacktrackEvent,

@@ -16,14 +16,9 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from engines.controllers.base import Controller
+from engines.controllers.channels import MainServer, SideClient, SideServer
 from engines.controllers.runtime import ControllerRuntime, Limits
-from engines.controllers.shm import (
-    BiasMatrix,
-    ChannelObjects,
-    MainServer,
-    SideClient,
-    SideServer,
-)
+from engines.controllers.shm import BiasMatrix, ChannelObjects
 from engines.vllm import controller_hook
 from engines.vllm.controller_hook import ControllerLogitsProcessor
 from tests.controllers import VOCAB, FakeTokenizer, Scripted

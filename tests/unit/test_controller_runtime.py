@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from engines.controllers.base import Controller
+from engines.controllers.channels import MainClient, MainServer, SideClient, SideServer
 from engines.controllers.runtime import ControllerRuntime, Limits, module_id_of
-from engines.controllers.shm import BiasMatrix, MainClient, MainServer, SideClient, SideServer
+from engines.controllers.shm import BiasMatrix
 from tests.controllers import VOCAB, FakeTokenizer, Scripted
 
 

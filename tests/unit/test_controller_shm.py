@@ -22,20 +22,22 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from engines.controllers.channels import (
+    MainClient,
+    MainServer,
+    RuntimeReplyError,
+    SideClient,
+    SideServer,
+    error_reply,
+    ok_reply,
+)
 from engines.controllers.shm import (
     BiasMatrix,
     ChannelClosed,
     ChannelError,
     ChannelFull,
     ChannelTimeout,
-    MainClient,
-    MainServer,
     MessageSlot,
-    RuntimeReplyError,
-    SideClient,
-    SideServer,
-    error_reply,
-    ok_reply,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -411,7 +413,8 @@ def test_side_errors_timeouts_and_the_bound_on_waiting_requests(prefix):
 RUNTIME = r"""
 import sys, threading
 import numpy as np
-from engines.controllers.shm import BiasMatrix, MainServer, SideServer, ok_reply
+from engines.controllers.shm import BiasMatrix
+from engines.controllers.channels import MainServer, SideServer, ok_reply
 prefix, vocab = sys.argv[1], int(sys.argv[2])
 bias = BiasMatrix(prefix, create=False)
 main, side = MainServer(prefix), SideServer(prefix)
