@@ -31,6 +31,7 @@ its test-suite), on this runtime's three phases:
   ``IfEq``, ``Extract`` (``$1``-style templates; ``list``: all matches).
 - ``Set`` statements run when their step ends; each write is a ``WriteVar`` storage entry.
 
+The program's parsing and its expressions: ``engines/controllers/declctrl_program.py``.
 Refused with a clear error: ``yacc``. ``mask_tags`` and ``tag`` are accepted and have
 no effect (as in AICI).
 """
@@ -39,124 +40,22 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
 import numpy as np
-import re2
 
-from engines.controllers.base import Controller, ControllerContext, ControllerError, PreResult
+from engines.controllers.base import Controller, ControllerContext, PreResult
+from engines.controllers.declctrl_program import SEP, Step, evaluate, fail, parse
 
 __all__ = ["DeclController", "SEP"]
 
-SEP = "\uff0c".encode()  # AICI's list separator (FULLWIDTH COMMA)
-_KINDS = ("Fixed", "Gen", "Choose", "Stop", "Fork", "Wait")
-MAX_VALUE_BYTES = 1 << 20  # one expression's value (variables included)
-MAX_STEPS = 1000
 _WORD_END = re.compile(rb"\S\s")
-_TEMPLATE = re.compile(r"\$(\$|\{(\w+)\}|(\d+))")
-
-
-@dataclass
-class _Step:
-    kind: str
-    spec: dict
-    label: str | None = None
-    stmts: list = field(default_factory=list)
-    uid: int = 0  # its place in the whole program (branches included): key of its regex
-    where: str = ""  # for errors: "step 2", "step 1.branch 0.step 1"
-    branches: list[list[_Step]] = field(default_factory=list)  # a Fork's
-
-
-def _fail(where: str, why: str) -> ControllerError:
-    return ControllerError(f"declctrl: {where}: {why}")
-
-
-def _parse(arg: str) -> list[_Step]:
-    try:
-        program = json.loads(arg)
-    except json.JSONDecodeError as exc:
-        raise ControllerError(f"declctrl: controller_arg is not JSON: {exc}") from None
-    steps = program.get("steps") if isinstance(program, dict) else None
-    if not isinstance(steps, list) or not steps:
-        raise ControllerError('declctrl: controller_arg is {"steps": [<step>, ...]}')
-    return [*_parse_steps(steps, "step ", [0]), _Step("Stop", {}, uid=-1)]
-
-
-def _parse_steps(steps: list, where_prefix: str, count: list[int]) -> list[_Step]:
-    """``count``: steps parsed so far in the whole program (branches included), bounded."""
-    parsed = []
-    for i, raw in enumerate(steps):
-        where = f"{where_prefix}{i}"
-        count[0] += 1
-        if count[0] > MAX_STEPS:
-            raise ControllerError(f"declctrl: more than {MAX_STEPS} steps")
-        if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in _KINDS:
-            raise _fail(where, f"a step is one of {{{', '.join(_KINDS)}: {{...}}}}")
-        kind, spec = next(iter(raw.items()))
-        if not isinstance(spec, dict):
-            raise _fail(where, f"{kind} takes an object")
-        step = _Step(kind, spec, spec.get("label"), uid=count[0], where=where)
-        if kind == "Fork":
-            branches = spec.get("branches")
-            if not isinstance(branches, list) or len(branches) < 2 or \
-                    not all(isinstance(b, list) and b for b in branches):
-                raise _fail(where, "Fork.branches is a list of two or more non-empty step "
-                                   "lists")
-            step.branches = [_parse_steps(b, f"{where}.branch {j}.step ", count)
-                             for j, b in enumerate(branches)]
-            parsed.append(step)
-            continue
-        if kind == "Wait":
-            names = spec.get("vars")
-            if not isinstance(names, list) or not names or \
-                    not all(isinstance(n, str) for n in names):
-                raise _fail(where, "Wait.vars is a non-empty list of variable names")
-            parsed.append(step)
-            continue
-        if kind == "Gen":
-            _check_gen(spec, where)
-        if kind in ("Fixed", "Choose"):
-            key = "text" if kind == "Fixed" else "options"
-            if not isinstance(spec.get(key), dict):
-                raise _fail(where, f"{kind}.{key} is an expression")
-        stmts = spec.get("stmts") or []
-        if not isinstance(stmts, list) or not all(
-                isinstance(s, dict) and isinstance(s.get("Set"), dict)
-                and isinstance(s["Set"].get("var"), str) and isinstance(s["Set"].get("expr"), dict)
-                for s in stmts):
-            raise _fail(where, 'stmts are [{"Set": {"var": <name>, "expr": <expression>}}]')
-        if spec.get("following") is not None and kind != "Fixed":
-            raise _fail(where, "only Fixed steps take 'following'")
-        step.stmts = stmts
-        parsed.append(step)
-    return parsed
-
-
-def _check_gen(spec: dict, where: str) -> None:
-    if spec.get("yacc") is not None:
-        raise _fail(where, "yacc grammars are not supported; use rx")
-    inner = spec.get("inner") or []
-    if not isinstance(inner, list) or not all(
-            isinstance(c, dict) and isinstance(c.get("after"), str) and c["after"]
-            and isinstance(c.get("options"), dict) for c in inner):
-        raise _fail(where, 'Gen.inner is [{"after": <text>, "options": <expression>}]')
-    if inner and spec.get("rx") is not None:
-        raise _fail(where, "Gen.inner cannot be combined with rx (as in AICI)")
-    for limit in ("max_tokens", "max_words", "max_bytes"):
-        value = spec.get(limit)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise _fail(where, f"Gen.{limit} is a positive integer")
-    for text in ("rx", "stop_at"):
-        if spec.get(text) is not None and not isinstance(spec[text], str):
-            raise _fail(where, f"Gen.{text} is a string")
-
 
 class DeclController(Controller):
     def __init__(self, ctx: ControllerContext, arg: str, prompt: list[int]) -> None:
         super().__init__(ctx, arg, prompt)
-        self.steps = _parse(arg)
+        self.steps = parse(arg)
         self.eos = ctx.tokenizer.eos_token_id
         self.out: list[int] = []  # the output as this controller sees it
         self.labels: dict[str, int] = {}  # label → where its step's tokens start in out
@@ -174,7 +73,7 @@ class DeclController(Controller):
         self._compiled = self._compile_regexes()
 
     @property
-    def step(self) -> _Step:
+    def step(self) -> Step:
         return self.steps[self.idx]
 
     def _where(self) -> str:
@@ -207,7 +106,7 @@ class DeclController(Controller):
             following = step.spec.get("following")
             if following is not None:
                 if following not in self.labels:
-                    raise _fail(self._where(), f"no step labelled {following!r} before it")
+                    raise fail(self._where(), f"no step labelled {following!r} before it")
                 backtrack = len(self.out) - self.labels[following]
             self._begin(len(self.out) - backtrack)
             text = self._eval(step.spec["text"], b"").decode("utf-8", errors="replace")
@@ -234,7 +133,7 @@ class DeclController(Controller):
     def forked(self, index: int) -> None:
         step = self.step
         if step.kind != "Fork":
-            raise _fail(self._where(), "forked outside a Fork step")
+            raise fail(self._where(), "forked outside a Fork step")
         self.ctx.log(f"fork: branch {index} of {len(step.branches)}")
         self.steps[self.idx:self.idx + 1] = step.branches[index]
         self.entered = False
@@ -322,7 +221,7 @@ class DeclController(Controller):
         if self.step.label:
             self.labels[self.step.label] = start
 
-    def _enter(self, step: _Step) -> None:
+    def _enter(self, step: Step) -> None:
         self.entered = True
         self.matcher = None
         if step.kind == "Choose":
@@ -330,7 +229,7 @@ class DeclController(Controller):
             if options and options[-1] == b"":
                 options.pop()
             if not options:
-                raise _fail(self._where(), "Choose has no options")
+                raise fail(self._where(), "Choose has no options")
             lark = " | ".join(json.dumps(o.decode("utf-8", errors="replace"),
                                          ensure_ascii=False) for o in options)
             self.matcher = self._matcher(llguidance.LLMatcher.grammar_from_lark("start: " + lark))
@@ -357,7 +256,7 @@ class DeclController(Controller):
         tok = self.ctx.tokenizer.llg  # type: ignore[attr-defined]
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
-            raise _fail(where or self._where(), matcher.get_error())
+            raise fail(where or self._where(), matcher.get_error())
         return matcher
 
     def _next_fixed(self) -> list[int] | None:
@@ -385,7 +284,7 @@ class DeclController(Controller):
 
     def _advance_gen(self, token: int) -> None:
         if self.matcher is not None and not self.matcher.consume_token(token):
-            raise _fail(self._where(), f"token {token} outside the step's constraint: "
+            raise fail(self._where(), f"token {token} outside the step's constraint: "
                                             f"{self.matcher.get_error()}")
         spec, text = self.step.spec, self._text()
         if spec.get("inner"):
@@ -445,58 +344,5 @@ class DeclController(Controller):
         self.entered, self.forcing, self.matcher, self._next_tokens = False, None, None, None
         self.inner, self.inner_at = None, 0
 
-    # --- expressions -------------------------------------------------------------------------
-
     def _eval(self, expr: Any, current: bytes) -> bytes:
-        value = self._value(expr, current)
-        if len(value) > MAX_VALUE_BYTES:  # Concat(Var x, Var x) doubles a variable per step
-            raise _fail(self._where(), f"a value over {MAX_VALUE_BYTES} bytes")
-        return value
-
-    def _value(self, expr: Any, current: bytes) -> bytes:
-        where = self._where()
-        if not isinstance(expr, dict) or len(expr) != 1:
-            raise _fail(where, f"not an expression: {expr!r}")
-        kind, spec = next(iter(expr.items()))
-        if kind == "String" and isinstance(spec.get("str"), str):
-            return spec["str"].encode()
-        if kind == "Var" and isinstance(spec.get("var"), str):
-            return self.ctx.get_var(spec["var"]) or b""
-        if kind == "Current":
-            return current
-        if kind == "Concat" and isinstance(spec.get("parts"), list):
-            parts = [self._eval(p, current) for p in spec["parts"]]
-            if sum(map(len, parts)) > MAX_VALUE_BYTES:
-                raise _fail(self._where(), f"a value over {MAX_VALUE_BYTES} bytes")
-            return (SEP if spec.get("list") else b"").join(parts)
-        if kind == "IfEq":
-            same = self._eval(spec.get("a"), current) == self._eval(spec.get("b"), current)
-            return self._eval(spec.get("eq" if same else "neq"), current)
-        if kind == "Extract" and isinstance(spec.get("rx"), str):
-            source = self._eval(spec.get("from"), current)
-            try:  # RE2: linear time, so a user's pattern cannot hold a runtime thread
-                rx = re2.compile(spec["rx"].encode())
-            except re2.error as exc:
-                raise _fail(where, f"Extract.rx: {exc}") from None
-            template = str(spec.get("template", "$1"))
-            found = [_expand(m, template) for m in rx.finditer(source)]
-            return SEP.join(found) if spec.get("list") else (found[0] if found else b"")
-        raise _fail(where, f"not an expression: {json.dumps(expr)[:200]}")
-
-
-def _expand(match: Any, template: str) -> bytes:
-    """AICI's (Rust's) ``$1`` / ``${name}`` / ``$$`` template over an RE2 match."""
-    def group(m: re.Match) -> str:
-        if m.group(1) == "$":
-            return "$"
-        key = m.group(2) or m.group(3)
-        value = None
-        for name in ((int(key),) if key.isdigit() else (key, key.encode())):
-            try:
-                value = match.group(name)
-                break
-            except IndexError:  # no such group: empty, as AICI's templates
-                continue
-        return (value or b"").decode("utf-8", errors="surrogateescape")
-    return _TEMPLATE.sub(group, template).encode("utf-8", errors="surrogateescape")
-
+        return evaluate(expr, current, self.ctx.get_var, self._where())
