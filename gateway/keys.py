@@ -22,16 +22,8 @@ from urllib.parse import parse_qs
 import msgspec
 
 from gateway.limits import route_path
-from protocols.internal import (
-    EngineClient,
-    EngineStats,
-    ErrorEvent,
-    Event,
-    FinalEvent,
-    GenerateRequest,
-    ModelInfo,
-    Prompt,
-)
+from protocols.contract import EngineClient
+from protocols.internal import EngineStats, ErrorEvent, Event, FinalEvent, GenerateRequest, ModelInfo, Prompt
 
 __all__ = ["ApiKey", "KeyAuth", "KeyState", "MeteredEngine", "current_key"]
 

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from protocols.internal import EngineClient, ModelInfo, ModelNotFound, ModelRequired
+from protocols.contract import EngineClient
+from protocols.internal import ModelInfo, ModelNotFound, ModelRequired
 
 __all__ = ["ModelRegistry"]
 

@@ -1,8 +1,8 @@
 """The one internal request/event model every protocol translates to and from.
 
 Protocols decode their wire format into a :class:`GenerateRequest`, hand it to an
-:class:`EngineClient`, and encode the :data:`Event` stream it yields back to their wire format.
-Nothing here knows about vLLM or any wire protocol.
+``EngineClient`` (``protocols/contract.py``), and encode the :data:`Event` stream it yields back
+to their wire format. Nothing here knows about vLLM or any wire protocol.
 
 Stream contract (what every engine yields for one request):
 
@@ -25,52 +25,17 @@ Refusals are events, never exceptions: a request the engine cannot serve yields 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import msgspec
 
 __all__ = [
-    "BacktrackEvent",
-    "Capabilities",
-    "ChatMessage",
-    "ChatPrompt",
-    "ControllerSpec",
-    "ControllerTag",
-    "DEADLOCK",
-    "ControllerSupport",
-    "EngineClient",
-    "EngineStats",
-    "ErrorEvent",
-    "EngineUnavailable",
-    "ErrorKind",
-    "Event",
-    "FinalEvent",
-    "FinishReason",
-    "ForkEvent",
-    "GenerateRequest",
-    "InvalidPrompt",
-    "ModelDirectory",
-    "ModelInfo",
-    "ModelNotFound",
-    "ModelRequired",
-    "OutputOptions",
-    "Prompt",
-    "PromptEvent",
-    "PromptToken",
-    "Sampling",
-    "SpliceSupport",
-    "TextPrompt",
-    "Timings",
-    "TokenEvent",
-    "TokenPrompt",
-    "TopLogprob",
-    "Usage",
-    "as_error",
-    "decode_events",
-    "encode_events",
-    "splice_allowed",
-    "splice_refusal",
+    "BacktrackEvent", "Capabilities", "ChatMessage", "ChatPrompt", "ControllerSpec", "ControllerTag",
+    "DEADLOCK", "ControllerSupport", "EngineStats", "ErrorEvent", "EngineUnavailable", "ErrorKind",
+    "Event", "FinalEvent", "FinishReason", "ForkEvent", "GenerateRequest", "InvalidPrompt", "ModelInfo",
+    "ModelNotFound", "ModelRequired", "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "Sampling",
+    "SpliceSupport", "TextPrompt", "Timings", "TokenEvent", "TokenPrompt", "TopLogprob", "Usage",
+    "as_error", "decode_events", "encode_events", "splice_allowed", "splice_refusal"
 ]
 
 
@@ -409,52 +374,6 @@ class EngineUnavailable(RuntimeError):
 
     def event(self) -> ErrorEvent:
         return ErrorEvent(kind="unavailable", message=str(self))
-
-
-# --- the engine contract --------------------------------------------------------------------
-
-
-class EngineClient(Protocol):
-    """What a protocol may ask of a model's engine. Implemented by every engine.
-
-    ``generate`` yields the events of one request (module docstring). Cancelling the iteration
-    (client disconnect) must abort the engine request. Validation problems are reported as an
-    :class:`ErrorEvent` first, never raised, so protocols can answer with a proper status.
-    """
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]: ...
-
-    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]: ...
-
-    async def detokenize(self, token_ids: tuple[int, ...]) -> str: ...
-
-    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
-        """Each id's own text, in one call (``/tokenize``'s token strings)."""
-        ...
-
-    async def model_info(self) -> ModelInfo: ...
-
-    async def check_health(self) -> None: ...
-
-    async def stats(self) -> EngineStats: ...
-
-
-class ModelDirectory(Protocol):
-    """Routing by model name, as protocols see it (the gateway's registry implements it).
-
-    ``resolve`` raises :class:`ModelNotFound` or :class:`ModelRequired` (name omitted while
-    several models are served); ``info`` is cached per model.
-    """
-
-    def names(self) -> list[str]: ...
-
-    def items(self) -> list[tuple[str, EngineClient]]: ...
-
-    def resolve(self, name: str | None) -> tuple[str, EngineClient]: ...
-
-    async def info(self, name: str) -> ModelInfo: ...
-
-    async def health(self) -> dict[str, bool]: ...
 
 
 # --- wire codec between processes (engine replica ↔ ingress) -------------------------------

@@ -19,13 +19,12 @@ from protocols.aici.encode import RunMeta, run_objects, sse
 from protocols.aici.errors import APIError, from_event
 from protocols.aici.schemas import RunRequest, TagsRequest, decode
 from protocols.aici.tags import MAX_USER_TAGS, LocalTagStore, TagStore, check_tags, tag_info
+from protocols.contract import EngineClient, ModelDirectory
 from protocols.controllers import controller_spec
 from protocols.internal import (
     DEADLOCK,
     ControllerSpec,
-    EngineClient,
     GenerateRequest,
-    ModelDirectory,
     ModelInfo,
     OutputOptions,
     Sampling,

@@ -16,7 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.internal import EngineClient, ModelDirectory, ModelNotFound, ModelRequired
+from protocols.contract import EngineClient, ModelDirectory
+from protocols.internal import ModelNotFound, ModelRequired
 from protocols.lmi.errors import (
     dynamic_error,
     frontend_error,

@@ -11,8 +11,8 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from protocols.contract import EngineClient
 from protocols.errors import EnvelopeError
-from protocols.internal import EngineClient
 from protocols.jsonbody import BodyError, decode_json
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
 from protocols.mindie.errors import NOT_FOUND, from_event

@@ -16,15 +16,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.internal import (
-    ChatPrompt,
-    EngineClient,
-    GenerateRequest,
-    ModelDirectory,
-    ModelNotFound,
-    ModelRequired,
-    TextPrompt,
-)
+from protocols.contract import EngineClient, ModelDirectory
+from protocols.internal import ChatPrompt, GenerateRequest, ModelNotFound, ModelRequired, TextPrompt
 from protocols.openai.encode import (
     ChunkMeta,
     chat_chunks,

@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import uuid
 
+from protocols.contract import EngineClient, ModelDirectory
 from protocols.internal import (
-    EngineClient,
     EngineUnavailable,
     ErrorEvent,
     GenerateRequest,
     InvalidPrompt,
-    ModelDirectory,
     TextPrompt,
     TokenPrompt,
 )

@@ -12,8 +12,8 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from protocols.contract import EngineClient
 from protocols.errors import EnvelopeError
-from protocols.internal import EngineClient
 from protocols.streams import Peeked
 from protocols.textgen.encode import (
     GenerationFailed,

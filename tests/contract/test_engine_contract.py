@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from protocols.contract import EngineClient
 from protocols.internal import (
     ControllerSpec,
-    EngineClient,
     ErrorEvent,
     Event,
     FinalEvent,

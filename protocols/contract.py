@@ -1,0 +1,56 @@
+"""What protocols may ask of a model's engine (:class:`EngineClient`) and of the gateway's model
+registry (:class:`ModelDirectory`); the events an engine yields and their order are the stream
+contract of ``protocols/internal.py``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from protocols.internal import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
+
+__all__ = ["EngineClient", "ModelDirectory"]
+
+
+class EngineClient(Protocol):
+    """What a protocol may ask of a model's engine. Implemented by every engine.
+
+    ``generate`` yields the events of one request (``protocols/internal.py``'s stream
+    contract). Cancelling the iteration (client disconnect) must abort the engine request.
+    Validation problems are reported as an :class:`ErrorEvent` first, never raised, so
+    protocols can answer with a proper status.
+    """
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]: ...
+
+    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]: ...
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str: ...
+
+    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        """Each id's own text, in one call (``/tokenize``'s token strings)."""
+        ...
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def check_health(self) -> None: ...
+
+    async def stats(self) -> EngineStats: ...
+
+
+class ModelDirectory(Protocol):
+    """Routing by model name, as protocols see it (the gateway's registry implements it).
+
+    ``resolve`` raises :class:`ModelNotFound` or :class:`ModelRequired` (name omitted while
+    several models are served); ``info`` is cached per model.
+    """
+
+    def names(self) -> list[str]: ...
+
+    def items(self) -> list[tuple[str, EngineClient]]: ...
+
+    def resolve(self, name: str | None) -> tuple[str, EngineClient]: ...
+
+    async def info(self, name: str) -> ModelInfo: ...
+
+    async def health(self) -> dict[str, bool]: ...
