@@ -100,7 +100,7 @@ class CallRunner:
             outcome = fut.result()
             seq.micros += outcome.micros
             if outcome.error:
-                seq.failed = outcome.error
+                seq.fail(outcome.error)
             out[key] = outcome
         return out
 
@@ -122,13 +122,11 @@ class CallRunner:
         bound, micros = f"{self.limits.step_s * 1000:g} ms", int(self.limits.step_s * 1e6)
         seq.micros += micros
         if stateful:
-            seq.failed = f"controller step took longer than {bound}"
-            return Outcome(None, seq.failed, micros)
+            return Outcome(None, seq.fail(f"controller step took longer than {bound}"), micros)
         seq.timeouts += 1
         if seq.timeouts >= self.limits.max_timeout_steps:
-            seq.failed = (f"controller took longer than {bound} in "
-                          f"{seq.timeouts} steps in a row")
-            return Outcome(None, seq.failed, micros)
+            why = f"controller took longer than {bound} in {seq.timeouts} steps in a row"
+            return Outcome(None, seq.fail(why), micros)
         seq.ctx.log(f"timeout: mid_process {'still running' if still_running else 'over'} "
                     f"{bound}; this step is unconstrained")
         return Outcome(None, "", micros)

@@ -13,9 +13,9 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 __all__ = [
-    "LOCAL", "Advance", "AdvanceAnswer", "Auth", "BadMessage", "Fork", "Instantiate",
+    "LOCAL", "Advance", "AdvanceAnswer", "Auth", "BadMessage", "Envelope", "Fork", "Instantiate",
     "MainCommand", "MidOp", "PostOp", "PostRecord", "PreOp", "PreRecord", "PreState", "Release",
-    "Reply", "RowSpec", "SetTags", "StepAnswer", "StepRecord", "Stopped", "read",
+    "Reply", "RowSpec", "SetTags", "TagInfo", "TagList", "StepAnswer", "StepRecord", "Stopped", "read",
 ]
 
 T = TypeVar("T")
@@ -53,6 +53,15 @@ class Auth(msgspec.Struct, frozen=True):
 
 
 LOCAL = Auth("localhost", is_admin=True)  # a request without ``$auth``: the engine's own
+
+
+class Envelope(msgspec.Struct):
+    """What every command carries besides its op's fields: the op, and on the side channel the
+    request id its answer echoes and who asks."""
+
+    op: str
+    rid: Any = msgspec.field(default=None, name="$rid")
+    auth: Auth | None = msgspec.field(default=None, name="$auth")
 
 
 class RowSpec(msgspec.Struct, frozen=True):
@@ -128,6 +137,23 @@ class Release(msgspec.Struct):
 class SetTags(msgspec.Struct):
     module_id: str | None = None
     tags: Any = None  # checked by protocols.controller_tags, whose messages name the rule
+
+
+class TagInfo(msgspec.Struct, frozen=True):
+    """The seed's ``TagInfo``: a tag naming a module (no Wasm here: its sizes are 0)."""
+
+    tag: str
+    module_id: str
+    updated_at: int
+    updated_by: str
+    wasm_size: int = 0
+    compiled_size: int = 0
+
+
+class TagList(msgspec.Struct, frozen=True):
+    """``get_tags`` / ``set_tags``'s answer."""
+
+    tags: list[TagInfo]
 
 
 # --- answers: runtime → engine and frontend ------------------------------------------------

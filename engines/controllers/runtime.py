@@ -27,6 +27,7 @@ from engines.controllers.channels import error_reply, ok_reply
 from engines.controllers.masks import apply_allowed, pack_allowed
 from engines.controllers.messages import (
     BadMessage,
+    Envelope,
     MainCommand,
     MidOp,
     PostOp,
@@ -73,7 +74,10 @@ class ControllerRuntime:
     # --- main channel -----------------------------------------------------------------------
 
     def handle_main(self, cmd: dict) -> dict:
-        op = cmd["op"]
+        try:
+            op = read(cmd, Envelope).op
+        except BadMessage as exc:
+            return error_reply(str(exc), is_user_error=True)
         if op == "ping":
             return ok_reply({"pong": 1})
         if op == "tokens":
@@ -177,7 +181,8 @@ class ControllerRuntime:
         out = self.calls.run(calls, stateful=True)
         for key, outcome in out.items():
             seq = calls[key][0]
-            seq.stopped = bool(outcome.value) and not outcome.error
+            if outcome.value and not outcome.error:
+                seq.stop()
             seq.need_pre, seq.last_pre, seq.touched = True, None, time.monotonic()
         return out
 
@@ -190,20 +195,20 @@ class ControllerRuntime:
             seq.need_pre = False
             result = None
             if not error and not isinstance(value, PreResult):
-                error = seq.failed = f"pre_process returned {type(value).__name__}, not PreResult"
+                error = seq.fail(f"pre_process returned {type(value).__name__}, not PreResult")
             elif not error:
                 if not isinstance(value.backtrack, int) or value.backtrack < 0:
-                    error = f"backtrack must be a count of tokens >= 0, got {value.backtrack!r}"
-                    seq.failed = error
+                    error = seq.fail(f"backtrack must be a count of tokens >= 0, got "
+                                     f"{value.backtrack!r}")
                 elif value.num_forks > 1 and seq.live_forks - 1 + value.num_forks > \
                         self.limits.max_forks:
-                    error = (f"{seq.live_forks - 1 + value.num_forks} forks exceed the limit "
-                             f"of {self.limits.max_forks} per request")
-                    seq.failed = error
+                    error = seq.fail(f"{seq.live_forks - 1 + value.num_forks} forks exceed the "
+                                     f"limit of {self.limits.max_forks} per request")
                 else:
                     seq.last_pre = value.state()
                     result = seq.last_pre.to_json()
-                    seq.stopped = value.num_forks == 0
+                    if value.num_forks == 0:
+                        seq.stop()
             if result is None:
                 seq.last_pre = None
             out[key] = Outcome(result, error, micros)
@@ -240,7 +245,7 @@ class ControllerRuntime:
                 try:
                     apply(rows[i], value)
                 except (TypeError, ValueError) as exc:
-                    error = seq.failed = f"mid_process returned an unusable mask: {exc}"
+                    error = seq.fail(f"mid_process returned an unusable mask: {exc}")
             seqs[str(ops[i].id)] = record(seq, None, error, micros)
         del rows  # no view of the bias buffer outlives the step
         # Beyond the seed: rows left all-zero, which an engine that knows this may skip (the

@@ -3,6 +3,7 @@ engine's sequence ids while its segments run (``docs/protocols/controller-runtim
 
 from __future__ import annotations
 
+import enum
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -10,12 +11,18 @@ from typing import Any
 from engines.controllers.base import Controller, ControllerContext
 from engines.controllers.messages import PreState
 
-__all__ = ["ControlledSequence", "record", "tell_branches"]
+__all__ = ["ControlledSequence", "Status", "record", "tell_branches"]
+
+
+class Status(enum.Enum):
+    LIVE = "live"  # its controller is asked at every step
+    STOPPED = "stopped"  # the controller ended it (pre_process forks 0, post_process stop)
+    FAILED = "failed"  # a call raised, overran or returned what cannot be used: ``failure``
 
 
 class ControlledSequence:
-    __slots__ = ("binds", "bound_to", "controller", "ctx", "failed", "family", "forks",
-                 "last_pre", "micros", "need_pre", "req_id", "running", "stopped", "timeouts",
+    __slots__ = ("binds", "bound_to", "controller", "ctx", "failure", "family", "forks",
+                 "last_pre", "micros", "need_pre", "req_id", "running", "status", "timeouts",
                  "touched")
 
     def __init__(self, req_id: str, controller: Controller, ctx: ControllerContext,
@@ -29,14 +36,33 @@ class ControlledSequence:
         self.family = family if family is not None else {req_id}
         self.running: Future | None = None
         self.timeouts = 0
-        self.failed = ""
-        self.stopped = False
+        self.status = Status.LIVE
+        self.failure = ""  # why, once FAILED
         self.need_pre = True  # a post_process (or the start) since the last pre_process
         self.last_pre: PreState | None = None  # that pre_process's result, until the next post
         self.bound_to: int | None = None  # the engine's sequence id while a segment runs
         self.binds = 0  # segments the engine bound: the frontend checks its hook ran
         self.touched = time.monotonic()
         self.micros = 0  # time its calls ran since the last ``advance`` reported it
+
+    def stop(self) -> None:
+        """The controller ended the sequence (a failed one stays failed)."""
+        if self.status is Status.LIVE:
+            self.status = Status.STOPPED
+
+    def fail(self, why: str) -> str:
+        """A call failed or overran: the sequence ends with ``why`` as its error (returned)."""
+        self.status, self.failure = Status.FAILED, why
+        return why
+
+    @property
+    def failed(self) -> str:
+        """Why it failed ("" unless it did)."""
+        return self.failure if self.status is Status.FAILED else ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.status is Status.STOPPED
 
     @property
     def suspended(self) -> bool:
@@ -62,7 +88,7 @@ def tell_branches(parent: ControlledSequence, children: list[ControlledSequence]
         try:
             seq.controller.forked(index)
         except Exception as exc:
-            seq.failed = f"{type(exc).__name__}: {exc}"
+            seq.fail(f"{type(exc).__name__}: {exc}")
 
 
 def record(seq: ControlledSequence | None, result: Any, error: str, micros: int) -> dict:

@@ -26,8 +26,8 @@ from engines.controllers.channels import error_reply, ok_reply
 from engines.controllers.messages import (
     LOCAL,
     Advance,
-    Auth,
     BadMessage,
+    Envelope,
     Fork,
     Instantiate,
     Release,
@@ -59,8 +59,12 @@ class SideChannel:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def handle(self, request: dict, reply: Reply) -> None:
-        op = request["op"]
-        auth = request.get("$auth")
+        try:
+            envelope = read(request, Envelope)
+        except BadMessage as exc:
+            reply(error_reply(str(exc), is_user_error=True))
+            return
+        op = envelope.op
         if op == "instantiate":
             # Building a controller may compile a grammar: off the side channel's thread, so
             # other side requests are answered meanwhile (out of order, by $rid).
@@ -69,8 +73,7 @@ class SideChannel:
             reply(self.rt.tags.get_tags())
         elif op == "set_tags":
             try:
-                who = LOCAL if auth is None else read(auth, Auth)
-                reply(self.rt.tags.set_tags(read(request, SetTags), who))
+                reply(self.rt.tags.set_tags(read(request, SetTags), envelope.auth or LOCAL))
             except BadMessage as exc:
                 reply(error_reply(str(exc), is_user_error=True))
         elif op in ("advance", "release", "fork"):

@@ -9,9 +9,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+import msgspec
+
 from engines.controllers.base import Controller, ControllerContext
 from engines.controllers.channels import error_reply, ok_reply
-from engines.controllers.messages import Auth, SetTags
+from engines.controllers.messages import Auth, SetTags, TagInfo, TagList
 from protocols.controller_tags import MAX_USER_TAGS, check_tags
 
 __all__ = ["ControllerFactory", "TagRegistry", "module_id_of"]
@@ -29,13 +31,13 @@ class TagRegistry:
     def __init__(self, controllers: Mapping[str, ControllerFactory]) -> None:
         self._lock = threading.Lock()  # set_tags on the side channel's thread, lookups on others
         self._modules: dict[str, ControllerFactory] = {}
-        self._tags: dict[str, dict] = {}
+        self._tags: dict[str, TagInfo] = {}
         self._builtin = frozenset(controllers)  # tags nobody may set (check_tags)
         started = int(time.time())
         for tag, factory in controllers.items():
             module_id = module_id_of(factory)
             self._modules[module_id] = factory
-            self._tags[tag] = _info(tag, module_id, started, "builtin")
+            self._tags[tag] = TagInfo(tag, module_id, started, "builtin")
 
     def names(self) -> list[str]:
         with self._lock:
@@ -46,13 +48,14 @@ class TagRegistry:
         with self._lock:
             if not isinstance(module, str):
                 return None
-            return self._modules.get(module) or self._modules.get(
-                (self._tags.get(module) or {}).get("module_id", ""))
+            tagged = self._tags.get(module)
+            return self._modules.get(module) or (
+                self._modules.get(tagged.module_id) if tagged is not None else None)
 
     def get_tags(self) -> dict:
         with self._lock:
-            tags = sorted(self._tags.values(), key=lambda t: t["updated_at"], reverse=True)
-        return ok_reply({"tags": tags})
+            tags = sorted(self._tags.values(), key=lambda t: t.updated_at, reverse=True)
+        return ok_reply(msgspec.to_builtins(TagList(tags)))
 
     def set_tags(self, request: SetTags, auth: Auth) -> dict:
         module_id, tags = request.module_id, request.tags
@@ -66,13 +69,7 @@ class TagRegistry:
         if why is not None:
             return error_reply(why, is_user_error=True)
         now = int(time.time())
-        infos = [_info(tag, module_id, now, auth.user) for tag in tags]
+        infos = [TagInfo(tag, module_id, now, auth.user) for tag in tags]
         with self._lock:
-            self._tags.update({info["tag"]: info for info in infos})
-        return ok_reply({"tags": infos})
-
-
-def _info(tag: str, module_id: str, at: int, by: str) -> dict:
-    """The seed's ``TagInfo`` (no Wasm here: its sizes are 0)."""
-    return {"tag": tag, "module_id": module_id, "updated_at": at, "updated_by": by,
-            "wasm_size": 0, "compiled_size": 0}
+            self._tags.update({info.tag: info for info in infos})
+        return ok_reply(msgspec.to_builtins(TagList(infos)))

@@ -19,6 +19,7 @@ from typing import Any
 from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
+from engines.controllers.messages import TagList, read
 from engines.embedded import resolve_model_source
 from engines.reaper import start_reaper
 from engines.tokens import prompt_char_limit, render_prompt
@@ -95,8 +96,9 @@ class VLLMEngine:
         """The runtime's own tag list (it is the authority on what it hosts)."""
         if self._side is None:
             return ()
-        tags = self._side.request("get_tags", timeout=30).result(timeout=30)["tags"]
-        return tuple(ControllerTag(tag=t["tag"], module_id=t["module_id"]) for t in tags)
+        answer = self._side.request("get_tags", timeout=30).result(timeout=30)
+        return tuple(ControllerTag(tag=t.tag, module_id=t.module_id)
+                     for t in read(answer, TagList).tags)
 
     def _start_controllers(self, options: Controllers, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The shm objects, the runtime beside this replica, and the hook in vLLM's args."""
