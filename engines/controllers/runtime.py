@@ -192,7 +192,7 @@ class ControllerRuntime:
         for key, outcome in self.calls.run(calls, stateful=True).items():
             value, error, micros = outcome.value, outcome.error, outcome.micros
             seq = calls[key][0]
-            seq.need_pre = False
+            seq.need_pre, seq.last_pre = False, None
             result = None
             if not error and not isinstance(value, PreResult):
                 error = seq.fail(f"pre_process returned {type(value).__name__}, not PreResult")
@@ -209,8 +209,6 @@ class ControllerRuntime:
                     result = seq.last_pre.to_json()
                     if value.num_forks == 0:
                         seq.stop()
-            if result is None:
-                seq.last_pre = None
             out[key] = Outcome(result, error, micros)
         return out
 

@@ -72,10 +72,8 @@ class SideChannel:
         elif op == "get_tags":
             reply(self.rt.tags.get_tags())
         elif op == "set_tags":
-            try:
-                reply(self.rt.tags.set_tags(read(request, SetTags), envelope.auth or LOCAL))
-            except BadMessage as exc:
-                reply(error_reply(str(exc), is_user_error=True))
+            auth = envelope.auth or LOCAL
+            self._answer(reply, lambda r: self.rt.tags.set_tags(read(r, SetTags), auth), request)
         elif op in ("advance", "release", "fork"):
             handler = {"advance": self.advance, "release": self._release,
                        "fork": self._fork}[op]
@@ -105,7 +103,9 @@ class SideChannel:
         ``pre_process`` owed. Answers the sequence's state: ``stop``, ``error`` and the pending
         ``pre`` result (``suspend`` / ``num_forks`` / ``ff_tokens``; None once stopped), plus
         the ``logs`` and ``storage`` of every call since the previous ``advance``."""
-        advance = read(request, Advance)
+        return self._advance(read(request, Advance))
+
+    def _advance(self, advance: Advance) -> dict:
         seq = self._controller(advance.req_id)
         if isinstance(seq, dict):
             return seq
@@ -201,7 +201,7 @@ class SideChannel:
                 # Beyond the seed: the first ``advance`` in the same answer (one round trip
                 # less before a controlled request's prefill).
                 try:
-                    answer = self.advance({"req_id": instantiate.req_id, "tokens": []})
+                    answer = self._advance(Advance(req_id=instantiate.req_id))
                 except Exception as exc:  # answered, so the frontend never waits out a timeout
                     answer = error_reply(f"{type(exc).__name__}: {exc}")
             if answer is not None:

@@ -119,14 +119,6 @@ class ControlledRun:
     def out(self) -> list[int]:
         return self.output.out
 
-    @property
-    def sampled(self) -> int:
-        return self.output.sampled
-
-    @property
-    def forced(self) -> int:
-        return self.output.forced
-
     async def _side(self, op: str, **fields: Any) -> dict:
         try:
             fut: Future = self.side.request(op, timeout=SIDE_TIMEOUT_S, **fields)

@@ -278,7 +278,7 @@ def test_a_controller_that_keeps_withdrawing_still_ends_at_four_times_the_budget
                              prompt=[9])
     final = events[-1]
     assert isinstance(final, FinalEvent) and final.finish_reason == "length"
-    assert run.sampled + run.forced == 12 and len(run.out) < 3
+    assert run.output.sampled + run.output.forced == 12 and len(run.out) < 3
 
 
 class _Bytes:
