@@ -4,11 +4,28 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 
 from engines.controllers.base import Controller, ControllerError, PreResult
+from engines.controllers.runtime import ControllerRuntime
 
 VOCAB = 64
+
+
+def as_wire(answer):
+    """A runtime answer as the engine end reads it off the shared memory: decoded JSON."""
+    return msgspec.json.decode(msgspec.json.encode(answer))
+
+
+class WireRuntime(ControllerRuntime):
+    """The runtime with its answers in their wire form, for tests that read them whole."""
+
+    def handle_main(self, cmd):
+        return as_wire(super().handle_main(cmd))
+
+    def handle_side(self, request, reply):
+        super().handle_side(request, lambda answer: reply(as_wire(answer)))
 
 
 class FakeTokenizer:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from msgspec import UNSET
 
 from engines.controllers.messages import PreState
 
@@ -58,13 +59,9 @@ class PreResult:
     ff_tokens: list[int] = field(default_factory=list)
     backtrack: int = 0  # output tokens withdrawn before ff_tokens are appended
 
-    def to_json(self) -> dict:
-        """As the runtime sends it (:meth:`engines.controllers.messages.PreState.to_json`)."""
-        return self.state().to_json()
-
     def state(self) -> PreState:
         """A copy as the runtime's message type (the controller may reuse this object)."""
-        return PreState(self.suspend, self.num_forks, list(self.ff_tokens), self.backtrack)
+        return PreState(self.suspend, self.num_forks, list(self.ff_tokens), self.backtrack or UNSET)
 
 
 class Variables:

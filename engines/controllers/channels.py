@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from engines.controllers.messages import BadMessage, Reply, read
+from engines.controllers.messages import Addressed, BadMessage, Failure, Ok, Op, Reply, read
 from engines.controllers.shm import (
     DEFAULT_PREFIX,
     ChannelClosed,
@@ -30,22 +30,23 @@ __all__ = ["MainClient", "MainServer", "RuntimeReplyError", "SideClient", "SideS
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
+_decode_reply = msgspec.json.Decoder(Reply).decode
 
 
 class RuntimeReplyError(RuntimeError):
-    """The runtime answered ``{"type": "error", ...}``."""
+    """The runtime answered a :class:`Failure`."""
 
     def __init__(self, message: str, is_user_error: bool = False) -> None:
         super().__init__(message)
         self.is_user_error = is_user_error
 
 
-def ok_reply(data: Any) -> dict:
-    return {"type": "ok", "data": data}
+def ok_reply(data: Any) -> Ok:
+    return Ok(data=data)
 
 
-def error_reply(message: str, is_user_error: bool = False) -> dict:
-    return {"type": "error", "error": message, "is_user_error": is_user_error}
+def error_reply(message: str, is_user_error: bool = False) -> Failure:
+    return Failure(error=message, is_user_error=is_user_error)
 
 
 def _settle(fut: Future, value: Any = None, error: BaseException | None = None) -> None:
@@ -60,12 +61,8 @@ def _settle(fut: Future, value: Any = None, error: BaseException | None = None) 
         fut.set_result(value)
 
 
-def _unwrap(reply: dict) -> Any:
-    try:
-        answer = read(reply, Reply)
-    except BadMessage as exc:
-        raise RuntimeReplyError(f"unreadable answer from the runtime: {exc}") from None
-    if answer.type == "ok":
+def _unwrap(answer: Reply) -> Any:
+    if isinstance(answer, Ok):
         return answer.data
     raise RuntimeReplyError(answer.error or "the runtime answered an error", answer.is_user_error)
 
@@ -131,11 +128,11 @@ class MainClient:
             self._broken = f"main channel out of step after {op!r} timed out: {exc}"
             raise
         try:
-            reply = _decode(raw)
+            answer = _decode_reply(raw)
         except msgspec.DecodeError as exc:
             self._broken = f"main channel: unreadable answer to {op!r}: {exc}"
             raise ChannelError(self._broken) from None
-        return _unwrap(reply)
+        return _unwrap(answer)
 
     def close(self) -> None:
         self._broken = self._broken or "closed"
@@ -174,7 +171,7 @@ class MainServer(_ServerEnd):
         from inside the handler would race the close against that answer.)"""
         self._finishing = True
 
-    def serve(self, handler: Callable[[dict], dict], reply_timeout: float = 10.0) -> None:
+    def serve(self, handler: Callable[[dict], Reply], reply_timeout: float = 10.0) -> None:
         """Until :meth:`close` or :meth:`finish`. A handler's exception becomes an error
         reply, so the engine always gets an answer and the channel stays in step."""
         for raw in self._incoming():
@@ -186,12 +183,14 @@ class MainServer(_ServerEnd):
                 return
 
 
-def _handle(handler: Callable[[dict], dict], raw: bytes) -> dict:
+def _handle(handler: Callable[[dict], Reply], raw: bytes) -> Reply:
     try:
         command = _decode(raw)
     except msgspec.DecodeError as exc:
         return error_reply(f"json-error: {exc}", is_user_error=True)
-    if not isinstance(command, dict) or not isinstance(command.get("op"), str):
+    try:
+        read(command, Op)  # the handler reads the rest (and says which field is wrong)
+    except BadMessage:
         return error_reply("a command is a JSON object with a string 'op'", is_user_error=True)
     try:
         return handler(command)
@@ -271,16 +270,15 @@ class SideClient:
             except ChannelClosed:
                 break
             try:
-                reply = _decode(raw)
-                rid = reply.pop("$rid")
-            except (msgspec.DecodeError, AttributeError, KeyError, TypeError):
+                answer = _decode_reply(raw)
+            except msgspec.DecodeError:
                 continue  # an answer nobody can claim; its request times out
             with self._lock:
-                fut = self._pending.pop(rid, None)
+                fut = self._pending.pop(answer.rid, None) if isinstance(answer.rid, str) else None
             if fut is None:  # timed out already, or never ours
                 continue
             try:
-                _settle(fut, _unwrap(reply))
+                _settle(fut, _unwrap(answer))
             except RuntimeReplyError as exc:
                 _settle(fut, error=exc)
         with self._lock:
@@ -313,33 +311,30 @@ class SideServer(_ServerEnd):
         super().__init__(prefix, "-side")
         self._send_lock = threading.Lock()
 
-    def serve(self, handler: Callable[[dict, Callable[[dict], None]], None],
+    def serve(self, handler: Callable[[dict, Callable[[Reply], None]], None],
               reply_timeout: float = 10.0) -> None:
         for raw in self._incoming():
             try:
                 request = _decode(raw)
-                rid = request.get("$rid")
-            except (msgspec.DecodeError, AttributeError):
+                rid = read(request, Addressed).rid
+            except (msgspec.DecodeError, BadMessage):
                 continue  # no $rid to answer to; the engine's request times out
             reply = self._replier(rid, reply_timeout)
-            if not isinstance(request.get("op"), str):
-                reply(error_reply("a side request has a string 'op'", is_user_error=True))
-                continue
             try:
                 handler(request, reply)
             except Exception as exc:  # answered; the channel keeps serving
                 reply(error_reply(f"{type(exc).__name__}: {exc}"))
 
-    def _replier(self, rid: Any, timeout: float) -> Callable[[dict], None]:
+    def _replier(self, rid: Any, timeout: float) -> Callable[[Reply], None]:
         sent = threading.Event()
 
-        def reply(answer: dict) -> None:
+        def reply(answer: Reply) -> None:
             if sent.is_set():
                 return
             sent.set()
             with self._send_lock:
                 try:
-                    self._resp.send(_encode({**answer, "$rid": rid}), timeout)
+                    self._resp.send(_encode(msgspec.structs.replace(answer, rid=rid)), timeout)
                 except ChannelClosed:
                     pass
         return reply

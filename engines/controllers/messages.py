@@ -11,11 +11,14 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 __all__ = [
-    "LOCAL", "Advance", "AdvanceAnswer", "Auth", "BadMessage", "Envelope", "Fork", "Instantiate",
-    "MainCommand", "MidOp", "PostOp", "PostRecord", "PreOp", "PreRecord", "PreState", "Release",
-    "Reply", "RowSpec", "SetTags", "TagInfo", "TagList", "StepAnswer", "StepRecord", "Stopped", "read",
+    "LOCAL", "Addressed", "Advance", "AdvanceAnswer", "Answer", "Auth", "BadMessage", "Envelope",
+    "Failure", "FirstHalf", "Fork", "Forked", "Instantiate", "Journal", "MainCommand", "MidAnswer",
+    "MidOp", "MidRecord", "Ok", "Op", "Pong", "PostOp", "PostRecord", "PreOp", "PreRecord", "PreState",
+    "Release", "Released", "Reply", "RowSpec", "SetTags", "StepAnswer", "Stopped", "TagInfo",
+    "TagList", "Vocabulary", "read",
 ]
 
 T = TypeVar("T")
@@ -35,14 +38,28 @@ def read(data: Any, kind: type[T]) -> T:
 
 # --- envelopes ------------------------------------------------------------------------------
 
-class Reply(msgspec.Struct):
-    """Every answer: ``ok`` with the op's ``data``, or ``error`` (the sender's own error when
-    ``is_user_error``)."""
+class Answer(msgspec.Struct, tag_field="type", kw_only=True):
+    """Every answer is :class:`Ok` or :class:`Failure` (its ``type``); on the side channel it
+    echoes the request's ``$rid`` (absent on the main channel, where answers keep order)."""
 
-    type: Literal["ok", "error"]
+    rid: Any | UnsetType = msgspec.field(default=UNSET, name="$rid")
+
+
+class Ok(Answer, tag="ok"):
+    """The op's answer: one of the structs below, or (``get_tags``) a :class:`TagList`."""
+
     data: Any = None
+
+
+class Failure(Answer, tag="error"):
+    """The op failed: the sender's own error when ``is_user_error`` (a malformed command, an
+    unknown controller), else the runtime's."""
+
     error: str = ""
     is_user_error: bool = False
+
+
+Reply = Ok | Failure
 
 
 class Auth(msgspec.Struct, frozen=True):
@@ -55,12 +72,23 @@ class Auth(msgspec.Struct, frozen=True):
 LOCAL = Auth("localhost", is_admin=True)  # a request without ``$auth``: the engine's own
 
 
-class Envelope(msgspec.Struct):
-    """What every command carries besides its op's fields: the op, and on the side channel the
-    request id its answer echoes and who asks."""
+class Op(msgspec.Struct):
+    """What every command has: its op (the server checks it before any handler reads more)."""
 
     op: str
+
+
+class Addressed(msgspec.Struct):
+    """A side request's ``$rid``, which its answer echoes (read first: a request malformed
+    otherwise is still answered)."""
+
     rid: Any = msgspec.field(default=None, name="$rid")
+
+
+class Envelope(Addressed, kw_only=True):
+    """What every side request carries besides its op's fields: the op, and who asks."""
+
+    op: str
     auth: Auth | None = msgspec.field(default=None, name="$auth")
 
 
@@ -159,20 +187,18 @@ class TagList(msgspec.Struct, frozen=True):
 # --- answers: runtime → engine and frontend ------------------------------------------------
 
 class PreState(msgspec.Struct, frozen=True):
-    """A pre_process result (the seed's shape; ``backtrack`` beyond it)."""
+    """A pre_process result: the seed's three fields, and beyond the seed ``backtrack``, sent
+    only when the controller withdraws tokens (read :attr:`withdrawn`)."""
 
     suspend: bool = False
     num_forks: int = 1
     ff_tokens: list[int] = []
-    backtrack: int = 0
+    backtrack: int | UnsetType = UNSET
 
-    def to_json(self) -> dict:
-        """The seed's shape: ``backtrack`` only when there is one."""
-        result = {"suspend": self.suspend, "num_forks": self.num_forks,
-                  "ff_tokens": list(self.ff_tokens)}
-        if self.backtrack:
-            result["backtrack"] = self.backtrack
-        return result
+    @property
+    def withdrawn(self) -> int:
+        """Tokens to withdraw before ``ff_tokens`` (0 when none)."""
+        return self.backtrack or 0
 
     @property
     def wants_edit(self) -> bool:
@@ -187,8 +213,9 @@ class Stopped(msgspec.Struct, frozen=True):
     stop: bool = False
 
 
-class StepRecord(msgspec.Struct):
-    """The seed's ``SequenceResult`` of one phase for one sequence (mid's has no result)."""
+class _Record(msgspec.Struct, kw_only=True):
+    """The seed's ``SequenceResult`` of one phase for one sequence: its error ("" when none),
+    the logs and storage its controller wrote since, the microseconds its call ran."""
 
     error: str = ""
     storage: list[dict] = []
@@ -196,34 +223,78 @@ class StepRecord(msgspec.Struct):
     micros: int = 0
 
 
-class PostRecord(StepRecord):
+class PostRecord(_Record, kw_only=True):
     result: Stopped | None = None
 
 
-class PreRecord(StepRecord):
+class PreRecord(_Record, kw_only=True):
     result: PreState | None = None
 
 
-class MidAnswer(msgspec.Struct):
-    seqs: dict[int, StepRecord] = {}
-    num_seqs: int = 0
-    unmasked: list[int] = []  # rows left all-allowed, which an engine may skip
-    ids: list[int] = []  # the sequence of each bias row (``step`` only)
+class MidRecord(_Record, kw_only=True):
+    result: None = None  # the mask is in the bias rows
 
 
-class StepAnswer(msgspec.Struct):
+class FirstHalf(msgspec.Struct):
+    """``post_pre_process``'s answer."""
+
     post_seqs: dict[int, PostRecord] = {}
     pre_seqs: dict[int, PreRecord] = {}
+
+    def ends(self) -> set[int]:
+        """The sequences it ends in an engine that cannot edit in place: stopped, failed, or
+        asking for an edit (:attr:`PreState.wants_edit`). The runtime leaves their rows out of
+        the step's masks; the engine's hook ends them."""
+        ended = {seq for seq, record in self.post_seqs.items()
+                 if record.error or (record.result is not None and record.result.stop)}
+        return ended | {seq for seq, record in self.pre_seqs.items()
+                        if record.error or (record.result is not None
+                                            and record.result.wants_edit)}
+
+
+class MidAnswer(msgspec.Struct):
+    """``mid_process``'s answer (the masks are in the bias rows)."""
+
+    seqs: dict[int, MidRecord] = {}
+    num_seqs: int = 0
+    unmasked: list[int] = []  # rows left all-allowed, which an engine may skip
+    ids: list[int] | UnsetType = UNSET  # ``step`` only: the sequence of each bias row
+
+
+class StepAnswer(FirstHalf):
+    """``step``'s answer: both halves in one."""
+
     mid: MidAnswer = msgspec.field(default_factory=MidAnswer)
 
     def ends(self) -> set[int]:
-        """The sequences this step ends in an engine that cannot edit in place: stopped,
-        failed, or asking for an edit (:attr:`PreState.wants_edit`)."""
-        ended = {seq for seq, record in self.post_seqs.items()
-                 if record.error or (record.result is not None and record.result.stop)}
-        ended |= {seq for seq, record in self.pre_seqs.items()
-                  if record.error or (record.result is not None and record.result.wants_edit)}
-        return ended | {seq for seq, record in self.mid.seqs.items() if record.error}
+        """:meth:`FirstHalf.ends`, and the sequences whose mid_process failed."""
+        return super().ends() | {seq for seq, record in self.mid.seqs.items() if record.error}
+
+
+class Pong(msgspec.Struct):
+    pong: int = 1
+
+
+class Vocabulary(msgspec.Struct):
+    """``tokens``' answer."""
+
+    vocab_size: int
+
+
+class Journal(msgspec.Struct, omit_defaults=True):
+    """``instantiate``'s answer: what the controller logged and stored while built (an empty
+    object when nothing)."""
+
+    logs: str = ""
+    storage: list[dict] = []
+
+
+class Released(msgspec.Struct):
+    released: bool
+
+
+class Forked(msgspec.Struct):
+    forks: list[str]
 
 
 class AdvanceAnswer(msgspec.Struct):

@@ -19,7 +19,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from engines.controllers.base import PreResult, TokenizerInfo
 from engines.controllers.calls import CallRunner, Calls, Limits, Outcome
@@ -27,11 +27,20 @@ from engines.controllers.channels import error_reply, ok_reply
 from engines.controllers.masks import apply_allowed, pack_allowed
 from engines.controllers.messages import (
     BadMessage,
-    Envelope,
+    FirstHalf,
     MainCommand,
+    MidAnswer,
     MidOp,
+    MidRecord,
+    Pong,
     PostOp,
+    PostRecord,
     PreOp,
+    PreRecord,
+    Reply,
+    StepAnswer,
+    Stopped,
+    Vocabulary,
     read,
 )
 from engines.controllers.sequence import ControlledSequence, record, tell_branches
@@ -40,15 +49,6 @@ from engines.controllers.side import SideChannel
 from engines.controllers.tags import ControllerFactory, TagRegistry, module_id_of
 
 __all__ = ["ControllerFactory", "ControllerRuntime", "Limits", "module_id_of"]
-
-
-class _FirstHalf(NamedTuple):
-    """A ``post_pre_process`` answer, and the sequences it ends in an engine that cannot edit
-    in place (stopped, failed, or asking for an edit: ``StepAnswer.ends`` as the engine reads
-    it)."""
-
-    data: dict
-    ended: set[int]
 
 
 class ControllerRuntime:
@@ -73,60 +73,53 @@ class ControllerRuntime:
 
     # --- main channel -----------------------------------------------------------------------
 
-    def handle_main(self, cmd: dict) -> dict:
-        try:
-            op = read(cmd, Envelope).op
-        except BadMessage as exc:
-            return error_reply(str(exc), is_user_error=True)
-        if op == "ping":
-            return ok_reply({"pong": 1})
-        if op == "tokens":
-            return ok_reply({"vocab_size": self.tokenizer.vocab_size})
-        if op not in ("post_pre_process", "mid_process", "step"):
-            return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
+    def handle_main(self, cmd: dict) -> Reply:
         try:
             command = read(cmd, MainCommand)
         except BadMessage as exc:
             return error_reply(str(exc), is_user_error=True)
+        op = command.op
+        if op == "ping":
+            return ok_reply(Pong())
+        if op == "tokens":
+            return ok_reply(Vocabulary(self.tokenizer.vocab_size))
         if op == "mid_process":
             return ok_reply(self._mid_process(command.ops or []))
+        if op not in ("post_pre_process", "step"):
+            return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
         half = self._post_pre_process(command.post_ops or [], command.pre_ops or [],
                                       command.freed or [])
-        return ok_reply(half.data if op == "post_pre_process" else self._step(command, half))
+        return ok_reply(half if op == "post_pre_process" else self._step(command, half))
 
-    def _step(self, command: MainCommand, half: _FirstHalf) -> dict:
+    def _step(self, command: MainCommand, half: FirstHalf) -> StepAnswer:
         """Beyond the seed: ``post_pre_process`` then ``mid_process`` in one round trip (as
         AICI's ABI v2 merged its phases). ``mid_ops`` lists every row the engine may sample;
         those the first half ends get no mask; ``mid.ids`` gives the bias rows' order."""
-        ops = [op for op in command.mid_ops or [] if op.id not in half.ended]
+        ended = half.ends()
+        ops = [op for op in command.mid_ops or [] if op.id not in ended]
         mid = self._mid_process(ops, bits=command.mask_format == "bits")
-        mid["ids"] = [op.id for op in ops]
-        return {**half.data, "mid": mid}
+        mid.ids = [op.id for op in ops]
+        return StepAnswer(half.post_seqs, half.pre_seqs, mid)
 
     def _post_pre_process(self, post_ops: list[PostOp], pre_ops: list[PreOp],
-                          freed: list[int]) -> _FirstHalf:
-        half = _FirstHalf({"post_seqs": {}, "pre_seqs": {}}, set())
-        post, pre = half.data["post_seqs"], half.data["pre_seqs"]
-        self._bind(freed, pre_ops, half)
+                          freed: list[int]) -> FirstHalf:
+        half = FirstHalf({}, {})
+        post, pre = half.post_seqs, half.pre_seqs
+        self._bind(freed, pre_ops, pre)
         calls = {}
         for op in post_ops:
             seq_id = op.id
             seq = self._seqs.get(seq_id)
             if seq is None:
-                post[str(seq_id)] = record(None, None, f"unknown sequence {seq_id}", 0)
-                half.ended.add(seq_id)
-                continue
-            if seq.failed or seq.stopped:
-                continue
-            tokens, backtrack = list(op.tokens or []), op.backtrack or 0
-            calls[seq_id] = (seq, functools.partial(seq.controller.post_process, tokens, backtrack))
+                post[seq_id] = record(PostRecord, None, None, f"unknown sequence {seq_id}", 0)
+            elif not (seq.failed or seq.stopped):
+                tokens, backtrack = list(op.tokens or []), op.backtrack or 0
+                calls[seq_id] = (seq, functools.partial(seq.controller.post_process, tokens,
+                                                        backtrack))
         for seq_id, outcome in self.run_post(calls).items():
-            error, micros = outcome.error, outcome.micros
-            seq = calls[seq_id][0]  # the side thread may have released it meanwhile
-            post[str(seq_id)] = record(seq, None if error else {"stop": seq.stopped}, error,
-                                       micros)
-            if error or seq.stopped:
-                half.ended.add(seq_id)
+            error, seq = outcome.error, calls[seq_id][0]  # the side thread may release it
+            post[seq_id] = record(PostRecord, seq, None if error else Stopped(seq.stopped),
+                                  error, outcome.micros)
         with self.lock:
             # Only sequences the engine runs now; one the frontend is advancing is unbound.
             # A suspended sequence asks again every step (a sibling may have set what it
@@ -136,14 +129,11 @@ class ControllerRuntime:
                      if seq.bound_to == seq_id and (seq.need_pre or seq.suspended)
                      and not (seq.failed or seq.stopped)}
         for seq_id, outcome in self.run_pre(calls).items():
-            value, error, micros = outcome.value, outcome.error, outcome.micros
-            seq = calls[seq_id][0]
-            pre[str(seq_id)] = record(seq, None if error else value, error, micros)
-            if error or (seq.last_pre is not None and seq.last_pre.wants_edit):
-                half.ended.add(seq_id)
+            pre[seq_id] = record(PreRecord, calls[seq_id][0], outcome.value, outcome.error,
+                                 outcome.micros)
         return half
 
-    def _bind(self, freed: list[int], pre_ops: list[PreOp], half: _FirstHalf) -> None:
+    def _bind(self, freed: list[int], pre_ops: list[PreOp], pre: dict[int, PreRecord]) -> None:
         """Frees the engine's ids it says left, then binds those ``pre_ops`` name."""
         with self.lock:
             for seq_id in freed:
@@ -163,8 +153,7 @@ class ControllerRuntime:
                     seq.forks.append(seq_id)
                     self._seqs[seq_id] = seq
                     continue
-                half.data["pre_seqs"][str(seq_id)] = record(None, None, why, 0)
-                half.ended.add(seq_id)
+                pre[seq_id] = record(PreRecord, None, None, why, 0)
 
     def unbind(self, seq: ControlledSequence | None, seq_id: int | None) -> None:
         """Under ``lock``: the engine's ``seq_id`` no longer runs ``seq``."""
@@ -187,7 +176,7 @@ class ControllerRuntime:
         return out
 
     def run_pre(self, calls: Calls) -> dict[Any, Outcome]:
-        """``value`` becomes the seed's pre result (a dict) or an error."""
+        """``value`` becomes the pre result (a :class:`PreState`) or an error."""
         out = {}
         for key, outcome in self.calls.run(calls, stateful=True).items():
             value, error, micros = outcome.value, outcome.error, outcome.micros
@@ -205,14 +194,13 @@ class ControllerRuntime:
                     error = seq.fail(f"{seq.live_forks - 1 + value.num_forks} forks exceed the "
                                      f"limit of {self.limits.max_forks} per request")
                 else:
-                    seq.last_pre = value.state()
-                    result = seq.last_pre.to_json()
+                    seq.last_pre = result = value.state()
                     if value.num_forks == 0:
                         seq.stop()
             out[key] = Outcome(result, error, micros)
         return out
 
-    def _mid_process(self, ops: list[MidOp], bits: bool = False) -> dict:
+    def _mid_process(self, ops: list[MidOp], bits: bool = False) -> MidAnswer:
         """The seed's dense float rows, or (``bits``, beyond the seed) allowed-token bitmasks."""
         vocab = self.tokenizer.vocab_size
         rows = None
@@ -224,13 +212,13 @@ class ControllerRuntime:
         calls = {}
         for i, op in enumerate(ops):
             seq_id = op.id
-            if str(seq_id) in seqs:  # its parent was unknown
+            if seq_id in seqs:  # its parent was unknown
                 continue
             seq = self._seqs.get(seq_id)
             if seq is None:
-                seqs[str(seq_id)] = record(None, None, f"unknown sequence {seq_id}", 0)
+                seqs[seq_id] = record(MidRecord, None, None, f"unknown sequence {seq_id}", 0)
             elif seq.failed:
-                seqs[str(seq_id)] = record(seq, None, seq.failed, 0)
+                seqs[seq_id] = record(MidRecord, seq, None, seq.failed, 0)
             else:
                 calls[i] = (seq, seq.controller.mid_process)
         unmasked = []
@@ -244,18 +232,18 @@ class ControllerRuntime:
                     apply(rows[i], value)
                 except (TypeError, ValueError) as exc:
                     error = seq.fail(f"mid_process returned an unusable mask: {exc}")
-            seqs[str(ops[i].id)] = record(seq, None, error, micros)
+            seqs[ops[i].id] = record(MidRecord, seq, None, error, micros)
         del rows  # no view of the bias buffer outlives the step
         # Beyond the seed: rows left all-zero, which an engine that knows this may skip (the
         # rows are written all the same, for engines that do not).
-        return {"seqs": seqs, "num_seqs": len(ops), "unmasked": sorted(unmasked)}
+        return MidAnswer(seqs, len(ops), sorted(unmasked))
 
-    def _clone_rows(self, ops: list[MidOp]) -> dict[str, dict]:
+    def _clone_rows(self, ops: list[MidOp]) -> dict[int, MidRecord]:
         """The seed's forks: a row with ``clone_id`` new to us is a copy of that parent. Every
         copy is made before any branch learns its index (the parent leaves its fork step when
         told it is branch 0), and before any row's mid_process. Answers the rows whose parent
         is unknown."""
-        failed: dict[str, dict] = {}
+        failed: dict[int, MidRecord] = {}
         clones: dict[int, list[ControlledSequence]] = {}  # parent id → its copies in this call
         for op in ops:
             seq_id, clone_id = op.id, op.clone_id
@@ -263,7 +251,7 @@ class ControllerRuntime:
                 continue
             parent = self._seqs.get(clone_id)
             if parent is None:
-                failed[str(seq_id)] = record(None, None, f"unknown parent {clone_id}", 0)
+                failed[seq_id] = record(MidRecord, None, None, f"unknown parent {clone_id}", 0)
                 continue
             child = parent.fork(parent.req_id)
             child.bound_to = seq_id

@@ -6,10 +6,10 @@ from __future__ import annotations
 import enum
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from engines.controllers.base import Controller, ControllerContext
-from engines.controllers.messages import PreState
+from engines.controllers.messages import MidRecord, PostRecord, PreRecord, PreState
 
 __all__ = ["ControlledSequence", "Status", "record", "tell_branches"]
 
@@ -91,8 +91,12 @@ def tell_branches(parent: ControlledSequence, children: list[ControlledSequence]
             seq.fail(f"{type(exc).__name__}: {exc}")
 
 
-def record(seq: ControlledSequence | None, result: Any, error: str, micros: int) -> dict:
-    """The seed's per-sequence ``SequenceResult``, with the logs and storage written since."""
+Record = TypeVar("Record", PostRecord, PreRecord, MidRecord)
+
+
+def record(kind: type[Record], seq: ControlledSequence | None, result: Any, error: str,
+           micros: int) -> Record:
+    """The seed's per-sequence ``SequenceResult`` of one phase, with the logs and storage
+    ``seq``'s controller wrote since the last one."""
     logs, storage = seq.ctx.drain() if seq is not None else ("", [])
-    return {"error": error, "result": result, "storage": storage, "logs": logs,
-            "micros": micros}
+    return kind(result=result, error=error, storage=storage, logs=logs, micros=micros)

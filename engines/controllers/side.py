@@ -26,11 +26,18 @@ from engines.controllers.channels import error_reply, ok_reply
 from engines.controllers.messages import (
     LOCAL,
     Advance,
+    AdvanceAnswer,
     BadMessage,
     Envelope,
+    Failure,
     Fork,
+    Forked,
     Instantiate,
+    Journal,
+    Ok,
     Release,
+    Released,
+    Reply,
     SetTags,
     read,
 )
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SideChannel"]
 
-Reply = Callable[[dict], None]
+Answerer = Callable[[Reply], None]
 
 
 class SideChannel:
@@ -58,7 +65,7 @@ class SideChannel:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def handle(self, request: dict, reply: Reply) -> None:
+    def handle(self, request: dict, reply: Answerer) -> None:
         try:
             envelope = read(request, Envelope)
         except BadMessage as exc:
@@ -85,7 +92,7 @@ class SideChannel:
         else:
             reply(error_reply(f"unknown side-channel op {op!r}", is_user_error=True))
 
-    def _answer(self, reply: Reply, handler: Callable[[dict], dict], request: dict) -> None:
+    def _answer(self, reply: Answerer, handler: Callable[[dict], Reply], request: dict) -> None:
         try:
             reply(handler(request))
         except BadMessage as exc:
@@ -93,21 +100,21 @@ class SideChannel:
         except Exception as exc:  # answered, so the frontend never waits out its timeout
             reply(error_reply(f"{type(exc).__name__}: {exc}"))
 
-    def _controller(self, req_id: object) -> ControlledSequence | dict:
+    def _controller(self, req_id: object) -> ControlledSequence | Failure:
         with self.rt.lock:
             seq = self.rt._live.get(req_id) if isinstance(req_id, str) else None
         return seq or error_reply(f"no controller for req_id {req_id!r}", is_user_error=True)
 
-    def advance(self, request: dict) -> dict:
+    def advance(self, request: dict) -> Reply:
         """Between segments: ``post_process(tokens, backtrack)`` when given, then the
         ``pre_process`` owed. Answers the sequence's state: ``stop``, ``error`` and the pending
         ``pre`` result (``suspend`` / ``num_forks`` / ``ff_tokens``; None once stopped), plus
         the ``logs`` and ``storage`` of every call since the previous ``advance``."""
         return self._advance(read(request, Advance))
 
-    def _advance(self, advance: Advance) -> dict:
+    def _advance(self, advance: Advance) -> Reply:
         seq = self._controller(advance.req_id)
-        if isinstance(seq, dict):
+        if isinstance(seq, Failure):
             return seq
         tokens, backtrack = advance.tokens or [], advance.backtrack or 0
         with self.rt.lock:
@@ -123,24 +130,24 @@ class SideChannel:
             error = self.rt.run_post({0: (seq, call)})[0].error
         if not error and not seq.stopped and seq.need_pre:
             error = self.rt.run_pre({0: (seq, seq.controller.pre_process)})[0].error
-        state = {"stop": seq.stopped, "error": error or seq.failed, "binds": seq.binds,
-                 "pre": None if seq.stopped or error or seq.last_pre is None
-                 else seq.last_pre.to_json()}
         seq.ctx.drain()  # this call's entries are in the journal too
         logs, storage = seq.ctx.journal()  # since the last advance: the segment's steps too
         micros, seq.micros = seq.micros, 0
-        return ok_reply({**state, "logs": logs, "storage": storage, "micros": micros})
+        return ok_reply(AdvanceAnswer(
+            stop=seq.stopped, error=error or seq.failed, binds=seq.binds,
+            pre=None if seq.stopped or error else seq.last_pre,
+            logs=logs, storage=storage, micros=micros))
 
-    def _release(self, request: dict) -> dict:
+    def _release(self, request: dict) -> Reply:
         req_id = read(request, Release).req_id
         with self.rt.lock:
             seq = self.rt._live.pop(req_id, None) if isinstance(req_id, str) else None
             self.rt.unbind(seq, seq.bound_to if seq is not None else None)
             if seq is not None:
                 seq.family.discard(seq.req_id)
-        return ok_reply({"released": seq is not None})
+        return ok_reply(Released(seq is not None))
 
-    def _fork(self, request: dict) -> dict:
+    def _fork(self, request: dict) -> Reply:
         """Beyond the seed, for engines that fork outside the engine (the frontend runs each
         branch as its own sequence): the controller whose pending pre result asked for
         ``num_forks = n`` is copied under the ``n - 1`` req_ids in ``into`` (branches 1..n-1;
@@ -148,7 +155,7 @@ class SideChannel:
         which its next ``advance`` runs."""
         fork = read(request, Fork)
         seq = self._controller(fork.req_id)
-        if isinstance(seq, dict):
+        if isinstance(seq, Failure):
             return seq
         into = fork.into
         if not into or not all(into) or len(set(into)) != len(into):
@@ -174,9 +181,9 @@ class SideChannel:
         tell_branches(seq, children)
         for branch in (seq, *children):
             branch.need_pre, branch.last_pre = True, None
-        return ok_reply({"forks": into})
+        return ok_reply(Forked(into))
 
-    def _start_instantiate(self, request: dict, reply: Reply) -> None:
+    def _start_instantiate(self, request: dict, reply: Answerer) -> None:
         """Answer with the controller built, or with a timeout after ``Limits.init_s``,
         whichever comes first; a controller finished after its timeout is dropped. With
         ``advance: true`` the answer is the first ``advance``'s (its pre result)."""
@@ -197,7 +204,7 @@ class SideChannel:
             else:
                 answer = self._instantiate(instantiate, first)
             timer.cancel()
-            if answer is not None and answer["type"] == "ok" and instantiate.advance:
+            if isinstance(answer, Ok) and instantiate is not None and instantiate.advance:
                 # Beyond the seed: the first ``advance`` in the same answer (one round trip
                 # less before a controlled request's prefill).
                 try:
@@ -212,7 +219,7 @@ class SideChannel:
         timer.start()
         self._pool.submit(build)
 
-    def _instantiate(self, request: Instantiate, first: threading.Lock) -> dict | None:
+    def _instantiate(self, request: Instantiate, first: threading.Lock) -> Reply | None:
         """The answer, or None when the timeout answered first (nothing is kept then)."""
         answer = self._build(request)
         if not isinstance(answer, ControlledSequence):
@@ -234,9 +241,9 @@ class SideChannel:
                                    is_user_error=True)
             live[req_id] = answer
         logs, storage = answer.ctx.drain()
-        return ok_reply({"logs": logs, "storage": storage} if logs or storage else {})
+        return ok_reply(Journal(logs, storage))
 
-    def _build(self, request: Instantiate) -> dict | ControlledSequence:
+    def _build(self, request: Instantiate) -> Failure | ControlledSequence:
         req_id, module = request.req_id, request.module_id
         arg, prompt = request.module_arg, request.prompt
         if not isinstance(req_id, str) or not req_id:

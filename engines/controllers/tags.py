@@ -9,11 +9,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-import msgspec
-
 from engines.controllers.base import Controller, ControllerContext
 from engines.controllers.channels import error_reply, ok_reply
-from engines.controllers.messages import Auth, SetTags, TagInfo, TagList
+from engines.controllers.messages import Auth, Reply, SetTags, TagInfo, TagList
 from protocols.controller_tags import MAX_USER_TAGS, check_tags
 
 __all__ = ["ControllerFactory", "TagRegistry", "module_id_of"]
@@ -52,12 +50,12 @@ class TagRegistry:
             return self._modules.get(module) or (
                 self._modules.get(tagged.module_id) if tagged is not None else None)
 
-    def get_tags(self) -> dict:
+    def get_tags(self) -> Reply:
         with self._lock:
             tags = sorted(self._tags.values(), key=lambda t: t.updated_at, reverse=True)
-        return ok_reply(msgspec.to_builtins(TagList(tags)))
+        return ok_reply(TagList(tags))
 
-    def set_tags(self, request: SetTags, auth: Auth) -> dict:
+    def set_tags(self, request: SetTags, auth: Auth) -> Reply:
         module_id, tags = request.module_id, request.tags
         if module_id not in self._modules:
             return error_reply(f"unknown module_id {module_id!r}", is_user_error=True)
@@ -72,4 +70,4 @@ class TagRegistry:
         infos = [TagInfo(tag, module_id, now, auth.user) for tag in tags]
         with self._lock:
             self._tags.update({info.tag: info for info in infos})
-        return ok_reply(msgspec.to_builtins(TagList(infos)))
+        return ok_reply(TagList(infos))

@@ -76,11 +76,11 @@ def decide(state: AdvanceAnswer, output: BranchOutput, max_tokens: int) -> Actio
             raise ControllerFailed("a pre result that forks cannot also force or withdraw "
                                    "tokens on this engine", "validation")
         return Fork(pre.num_forks)
-    if pre.backtrack > len(output.out):
-        raise ControllerFailed(f"the controller withdrew {pre.backtrack} tokens, but only "
+    if pre.withdrawn > len(output.out):
+        raise ControllerFailed(f"the controller withdrew {pre.withdrawn} tokens, but only "
                                f"{len(output.out)} were generated", "validation")
     if pre.ff_tokens or pre.backtrack:
         # forced tokens are cut at the budget; the controller hears of what was appended
-        room = max_tokens - (len(output.out) - pre.backtrack)
-        return Edit(list(pre.ff_tokens)[:room], pre.backtrack)
+        room = max_tokens - (len(output.out) - pre.withdrawn)
+        return Edit(list(pre.ff_tokens)[:room], pre.withdrawn)
     return RunSegment()

@@ -44,7 +44,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from engines.controllers.channels import MainClient, RuntimeReplyError
-from engines.controllers.messages import MidOp, PostOp, PreOp, RowSpec, StepAnswer, read
+from engines.controllers.messages import MidOp, PostOp, PreOp, RowSpec, StepAnswer, Vocabulary, read
 from engines.controllers.shm import BiasMatrix, ChannelError
 
 __all__ = ["AICI_ARG", "ControllerLogitsProcessor", "parse_row_spec"]
@@ -116,7 +116,8 @@ class ControllerLogitsProcessor(LogitsProcessor, V2LogitsProcessor):
             # The replica created the objects before starting vLLM; this end opens them.
             self._main = MainClient(prefix, create=False)
             self._bias = BiasMatrix(prefix, create=False)
-            self._vocab = int(self._main.call("tokens", timeout=CHANNEL_TIMEOUT_S)["vocab_size"])
+            answer = self._main.call("tokens", timeout=CHANNEL_TIMEOUT_S)
+            self._vocab = read(answer, Vocabulary).vocab_size
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from engines.controllers.base import PreResult
 from engines.controllers.channels import RuntimeReplyError
-from engines.controllers.runtime import ControllerRuntime, Limits
+from engines.controllers.runtime import Limits
 from engines.controllers.shm import ChannelFull, ChannelTimeout
 from engines.vllm.controlled import ControlledRun, Segment
 from protocols.internal import (
@@ -28,7 +28,7 @@ from protocols.internal import (
     TextPrompt,
     TokenEvent,
 )
-from tests.controllers import Backtracking, FakeTokenizer, Scripted
+from tests.controllers import Backtracking, FakeTokenizer, Scripted, WireRuntime, as_wire
 
 EOS = 0
 
@@ -82,7 +82,7 @@ class _Model:
             # engine's step covers every running row): the runtime keeps what it answered
             bound = self.rt._seqs.get(seq)
             kept = bound.last_pre if bound is not None else None
-            wants = ahead.get("result") or (kept.to_json() if kept is not None else None) or {}
+            wants = ahead.get("result") or (as_wire(kept) if kept is not None else None) or {}
             ending = done.get("error") or (done.get("result") or {}).get("stop") or \
                 ahead.get("error") or wants.get("ff_tokens") or wants.get("backtrack")
             token = EOS if ending else self.script[self.k % len(self.script)]
@@ -103,7 +103,7 @@ def _run(arg, script, max_tokens=8, module="scripted", controllers=None, prompt=
     driver's and the stand-in model's tokenizer, ``info`` the controllers'."""
     controllers = controllers or {"scripted": Scripted, "boom": _FailsOnSecondToken,
                                   "backtrack": Backtracking}
-    rt = ControllerRuntime(info or FakeTokenizer(), controllers, None, Limits(step_s=1.0))
+    rt = WireRuntime(info or FakeTokenizer(), controllers, None, Limits(step_s=1.0))
     side, model = _Side(rt), (model_cls or _Model)(rt, script, tok)
     req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
                           sampling=Sampling(max_tokens=max_tokens, **request.pop("sampling", {})),
@@ -227,7 +227,7 @@ def test_a_full_or_dead_side_channel_is_overload_or_an_engine_error_without_its_
             self.ops.append(op)
             raise exc
 
-    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits())
+    rt = WireRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits())
     req = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="p"),
                           sampling=Sampling(max_tokens=2),
                           controller=ControllerSpec(module="scripted", arg=""))
@@ -451,7 +451,7 @@ class _SlowModel(_Model):
 
 def _forking_run(request_id: str):
     """A run whose controller forks into 3 at once, over a model that yields step by step."""
-    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits(step_s=1.0))
+    rt = WireRuntime(FakeTokenizer(), {"scripted": Scripted}, None, Limits(step_s=1.0))
     side, model = _Side(rt), _SlowModel(rt, [5, 6])
     req = GenerateRequest(request_id=request_id, model="m", prompt=TextPrompt(text="p"),
                           sampling=Sampling(max_tokens=50),

@@ -20,11 +20,11 @@ from engines.controllers.base import Controller
 from engines.controllers.channels import MainClient, MainServer, SideClient, SideServer
 from engines.controllers.runtime import ControllerRuntime, Limits, module_id_of
 from engines.controllers.shm import BiasMatrix
-from tests.controllers import VOCAB, FakeTokenizer, Scripted
+from tests.controllers import VOCAB, FakeTokenizer, Scripted, WireRuntime
 
 
 def _runtime(bias=None, **limits):
-    return ControllerRuntime(FakeTokenizer(), {"scripted": Scripted, "plain": Controller}, bias,
+    return WireRuntime(FakeTokenizer(), {"scripted": Scripted, "plain": Controller}, bias,
                              Limits(**limits))
 
 
@@ -301,7 +301,7 @@ def test_instantiate_that_overruns_its_bound_is_answered_and_not_kept():
             time.sleep(1.0)
             super().__init__(ctx, arg, prompt)
 
-    rt = ControllerRuntime(FakeTokenizer(), {"slow": Slow}, limits=Limits(init_s=0.05))
+    rt = WireRuntime(FakeTokenizer(), {"slow": Slow}, limits=Limits(init_s=0.05))
     t0 = time.monotonic()
     answer = _side(rt, {"op": "instantiate", "req_id": "run-s", "module_id": "slow"})
     assert time.monotonic() - t0 < 0.6
@@ -325,7 +325,7 @@ def test_llguidance_masks_digits_fast_forwards_literals_and_stops(hf_tokenizer_i
     from engines.controllers.builtin import BUILTIN_CONTROLLERS
     tok = hf_tokenizer_info
     # A generous step bound: the first masks of a grammar are the slowest, and CI is busy.
-    rt = ControllerRuntime(tok, BUILTIN_CONTROLLERS, limits=Limits(step_s=2.0, init_s=10.0))
+    rt = WireRuntime(tok, BUILTIN_CONTROLLERS, limits=Limits(step_s=2.0, init_s=10.0))
     grammar = {"grammars": [{"lark_grammar": 'start: "The answer is " /[0-9]{2}/'}]}
     _instantiate(rt, "run-g", {"grammar": grammar}, module="llguidance")
     data = _step(rt, pre_ops=[{"id": 1, "req_id": "run-g"}])
@@ -350,7 +350,7 @@ def test_llguidance_masks_digits_fast_forwards_literals_and_stops(hf_tokenizer_i
 
 def test_llguidance_refuses_bad_grammars_at_instantiate(hf_tokenizer_info):
     from engines.controllers.builtin import BUILTIN_CONTROLLERS
-    rt = ControllerRuntime(hf_tokenizer_info, BUILTIN_CONTROLLERS, limits=Limits(init_s=10.0))
+    rt = WireRuntime(hf_tokenizer_info, BUILTIN_CONTROLLERS, limits=Limits(init_s=10.0))
     for arg in ("not json", '{"nogrammar": 1}',
                 {"grammar": {"grammars": [{"lark_grammar": "start: /[0-9/"}]}}):
         answer = _side(rt, {"op": "instantiate", "req_id": f"run-{uuid.uuid4().hex}",
@@ -378,7 +378,7 @@ def test_the_runtime_over_shared_memory_answers_the_engine_end():
     bias = BiasMatrix(prefix, size=4 * VOCAB * 4, create=True)
     main, side = MainClient(prefix, size=1 << 16), SideClient(prefix, size=1 << 16)
     runtime_bias = BiasMatrix(prefix, create=False)
-    rt = _runtime(runtime_bias)
+    rt = ControllerRuntime(FakeTokenizer(), {"scripted": Scripted}, runtime_bias, Limits())
     main_srv, side_srv = MainServer(prefix), SideServer(prefix)
     threads = [threading.Thread(target=main_srv.serve, args=(rt.handle_main,)),
                threading.Thread(target=side_srv.serve, args=(rt.handle_side,))]
@@ -429,7 +429,7 @@ def _advance(rt, req_id, tokens=()):
 
 def test_advance_runs_the_pre_process_owed_once_and_reports_it_until_the_next_post():
     Counting.pres = 0
-    rt = ControllerRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
+    rt = WireRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
     _instantiate(rt, "run-a", "ff=5,6 var=v", module="counting")
     first = _advance(rt, "run-a")
     assert first["pre"] == {"suspend": False, "num_forks": 1, "ff_tokens": [5, 6]}
@@ -449,7 +449,7 @@ def test_advance_runs_the_pre_process_owed_once_and_reports_it_until_the_next_po
 
 def test_advance_takes_a_controller_away_from_the_engine_even_before_its_freed_notice():
     Counting.pres = 0
-    rt = ControllerRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
+    rt = WireRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
     _instantiate(rt, "run-b", "", module="counting")
     _step(rt, pre_ops=[{"id": 7, "req_id": "run-b"}])
     assert Counting.pres == 1
@@ -485,7 +485,7 @@ def test_advance_reports_stop_and_failures_and_release_forgets_the_controller():
 
 def test_instantiate_with_advance_answers_the_first_pre_process_in_the_same_round_trip():
     Counting.pres = 0
-    rt = ControllerRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
+    rt = WireRuntime(FakeTokenizer(), {"counting": Counting}, None, Limits())
     answer = _side(rt, {"op": "instantiate", "$rid": "r", "req_id": "run-x", "prompt": [1],
                         "module_id": "counting", "module_arg": "ff=5", "advance": True})
     assert answer["type"] == "ok", answer
@@ -588,7 +588,7 @@ def test_a_controller_that_raises_while_it_is_built_is_the_requests_error():
         def __init__(self, ctx, arg, prompt):
             raise RuntimeError("cannot build")
 
-    rt = ControllerRuntime(FakeTokenizer(), {"broken": Broken}, None, Limits())
+    rt = WireRuntime(FakeTokenizer(), {"broken": Broken}, None, Limits())
     answer = _side(rt, {"op": "instantiate", "req_id": "run-b", "prompt": [1],
                         "module_id": "broken", "module_arg": ""})
     assert answer["type"] == "error" and answer["is_user_error"], answer
