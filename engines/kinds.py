@@ -8,9 +8,11 @@ one entry in :data:`ENGINE_KINDS` (the README's "Add an engine kind").
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
+
+from engines import placement
 
 if TYPE_CHECKING:
     from engines.base import Engine
@@ -35,13 +37,18 @@ class EngineKind(msgspec.Struct, frozen=True, kw_only=True):
     arg_check: str | None = None
     # Hosts AICI-style controllers (ModelConfig.controllers defaults on, docs/controllers.md).
     runs_controllers: bool = False
+    # Where its compute runs, which decides the placement step of its start (engines/placement.py):
+    # "own_worker", a worker process that pins cores of its own (vLLM on CPU: the node's serving
+    # processes move off them once it is up); "replica", the replica's own process (it keeps
+    # every CPU it claimed).
+    computes_in: Literal["own_worker", "replica"] = "replica"
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
     # vLLM's SchedulerConfig default batch.
     "vllm": EngineKind(implementation="engines.vllm.engine:VLLMEngine",
                        concurrency_arg="max_num_seqs", default_concurrency=128,
-                       runs_controllers=True),
+                       runs_controllers=True, computes_in="own_worker"),
     # PipelineArgs.max_sequences' default (a unit test holds them equal).
     "pipeline": EngineKind(implementation="engines.pipeline.engine:PipelineEngine",
                            concurrency_arg="max_sequences", default_concurrency=16,
@@ -64,7 +71,11 @@ def _named(path: str):
 
 
 def create_engine(config: ModelConfig) -> Engine:
-    return _named(kind_of(config).implementation)(config)
+    """The engine of ``config``'s kind, started inside the placement step (imported inside it
+    too: the step widens this process's CPUs before torch sizes its thread pool)."""
+    kind = kind_of(config)
+    with placement.engine_start(config.name, pins_own_worker=kind.computes_in == "own_worker"):
+        return _named(kind.implementation)(config)
 
 
 def check_engine_args(config: ModelConfig, local_dir: str | None) -> None:

@@ -35,7 +35,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["COMPUTE_TITLES", "claim", "claimed", "place", "serving_cpus"]
+__all__ = ["COMPUTE_TITLES", "claim", "claimed", "engine_start", "place", "serving_cpus"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,29 @@ def claim() -> set[int]:
     except Exception as exc:  # placement is an optimisation, never a reason to fail
         log.warning("could not claim this process's CPUs: %s", exc)
     return set(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def engine_start(model: str, pins_own_worker: bool) -> Iterator[None]:
+    """The placement step around an engine's start in a replica (``engines.kinds.create_engine``):
+    the replica claims every CPU first (it computes, or vLLM is about to pick its worker's cores
+    from its affinity); once the engine is up, an engine whose worker pins cores of its own
+    (``pins_own_worker``: vLLM on CPU) moves the node's serving processes off them and drops the
+    claim, while one that computes in the replica (the pipeline's origin) keeps it. Both moves
+    are logged; neither fails the start (the module's doc)."""
+    cpus = claim()
+    if enabled() and _in_ray_worker():
+        log.info("placement for %s: this replica claims CPUs %s while its engine starts",
+                 model, sorted(cpus))
+    yield
+    if pins_own_worker:
+        done = place()
+        if done is None and enabled() and _in_ray_worker():
+            log.info("placement for %s: no engine worker pinned to CPUs on this node; "
+                     "nothing moved", model)
+    elif enabled() and _in_ray_worker():
+        log.info("placement for %s: the engine computes in this replica, which keeps its "
+                 "claim on CPUs %s", model, sorted(cpus))
 
 
 def serving_cpus(allowed: set[int], engines: set[int]) -> set[int]:

@@ -151,9 +151,11 @@ class GatewayIngress:
     """Serve ingress: the FastAPI app over one engine deployment handle per model."""
 
     def __init__(self, engines: dict[str, DeploymentHandle], config: GatewayConfig):
+        from engines.serve_logs import log_with_serve
         from gateway.engine_client import ServeEngineClient
         from gateway.local_engine import LocalEngineClient
 
+        log_with_serve()
         models = {m.name: m for m in config.models}
         handles = dict(engines)
         for model in config.models:

@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import ModelConfig
 from engines.embedded import resolve_model_source
@@ -51,7 +50,6 @@ class PipelineEngine:
     """An :class:`engines.base.Engine` (and ReferenceEngine: the unsplit HF model)."""
 
     def __init__(self, config: ModelConfig, stages: Stages | None = None):
-        placement.claim()  # the origin's layers run here: not moved off an engine
         import torch
         from transformers import AutoTokenizer
 

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from engines import placement
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
 from engines.controllers.messages import TagList, read
@@ -69,9 +68,9 @@ class VLLMEngine:
         # would run on (GBs each), even while they still load; a reaper process ends them then
         # (engines/reaper.py).
         self._reaper = start_reaper()
-        placement.claim()  # vLLM picks its worker's cores from this process's affinity
+        # In a replica this runs inside the placement step (engines.kinds.create_engine): vLLM
+        # picks its worker's cores from this process's affinity, widened for it there.
         self._llm = AsyncLLM.from_engine_args(args)
-        placement.place()  # its worker is up, pinned where it computes: the rest moves off
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"

@@ -85,6 +85,25 @@ def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_
             assert not cpus & pinned, (_title(proc)[:60], cpus, pinned)
     for worker in workers:  # the engine itself is where vLLM put it
         assert any(c <= pinned for c in _threads_cpus(worker))
+    # The placement step is in the engine replica's log lines, where an operator looks: Serve
+    # writes them to the worker's stderr file at once, and to the replica's file under serve/
+    # (buffered), both tagged with the replica's deployment.
+    lines = [line for r in raylets for line in _log_lines(os.path.join(_session_dir(r), "logs"))
+             if f"engine-{MODEL}" in line]
+    assert any(f"placement for {MODEL}: this replica claims CPUs" in line for line in lines)
+    assert any("serving processes" in line and "moved to CPUs" in line for line in lines)
+
+
+def _log_lines(folder: str) -> list[str]:
+    paths = [os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".err")]
+    serve = os.path.join(folder, "serve")
+    paths += [os.path.join(serve, name) for name in os.listdir(serve)
+              if name.startswith("replica_")]
+    lines = []
+    for path in paths:
+        with open(path, errors="replace") as f:
+            lines += f.readlines()
+    return lines
 
 
 def _threads_nice(proc: psutil.Process) -> list[int]:

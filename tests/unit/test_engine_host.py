@@ -4,11 +4,13 @@ accounting, failures as events), over the fake kind; and the engine-kind registr
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 
 import msgspec
 import pytest
 
+from engines import placement
 from engines.config import ModelConfig
 from engines.kinds import ENGINE_KINDS, EngineKind, create_engine
 from protocols.internal import (
@@ -149,9 +151,31 @@ def test_engine_kinds_are_validated_and_built_by_name(monkeypatch):
     assert type(engine).__name__ == "_FromConfig" and engine.config.name == "x"
 
 
+@pytest.mark.parametrize("computes_in, steps", [
+    ("own_worker", ["claim", "start", "place"]),  # vLLM: the node moves off its worker
+    ("replica", ["claim", "start"]),  # the pipeline's origin: keeps every CPU it claimed
+])
+def test_an_engine_starts_inside_the_placement_step_its_kind_names(monkeypatch, computes_in,
+                                                                   steps):
+    done: list[str] = []
+    monkeypatch.setattr(placement, "claim", lambda: done.append("claim") or {0})
+    monkeypatch.setattr(placement, "place", lambda: done.append("place") or None)
+    # the class as the kind's path imports it (pytest names this module otherwise)
+    built = importlib.import_module("tests.unit.test_engine_host")._FromConfig
+    monkeypatch.setattr(built, "started", lambda: done.append("start"))
+    monkeypatch.setitem(ENGINE_KINDS, "fake", EngineKind(
+        implementation="tests.unit.test_engine_host:_FromConfig", concurrency_arg="batch",
+        default_concurrency=3, computes_in=computes_in))
+    create_engine(ModelConfig(name="x", engine="fake"))
+    assert done == steps
+
+
 class _FromConfig:
+    started = staticmethod(lambda: None)
+
     def __init__(self, config: ModelConfig):
         self.config = config
+        type(self).started()
 
 
 class _Scripted(FakeEngine):
