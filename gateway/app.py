@@ -53,7 +53,9 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     errors = ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
-    app.state.config = config
+    # Each protocol's own options, built once (protocols.spec.options_of reads them).
+    app.state.protocol_options = {spec.options: config.options_for(spec.options)
+                                  for spec in specs if spec.options is not None}
     _add_middlewares(app, config, errors, _PUBLIC_PATHS.union(*(s.public_paths for s in specs)))
     _add_error_handlers(app, errors)
     _add_own_routes(app, registry, specs)

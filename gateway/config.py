@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from engines.config import ModelConfig
 from gateway.keys import ApiKey
 from protocols.catalog import PROTOCOLS
+
+Options = TypeVar("Options")
 
 __all__ = ["GatewayConfig", "load_config"]
 
@@ -120,6 +122,11 @@ with rate limits). ``ingress_num_cpus``
                 options["num_cpus"] += engine.pop("num_cpus")
                 options.update(engine)
         return options
+
+    def options_for(self, kind: type[Options]) -> Options:
+        """A protocol's options (``ProtocolSpec.options``) from this configuration: each of its
+        fields reads the key its ``name`` gives (``lmtp_max_streams`` → ``max_streams``)."""
+        return msgspec.convert(msgspec.to_builtins(self), kind)
 
     def keys(self) -> list[ApiKey]:
         """Every accepted key (none: the gateway is open)."""

@@ -4,18 +4,23 @@ The gateway mounts the routers of every enabled protocol (in the configured orde
 the spec that owns a path to render route-level errors (unknown route, wrong method, body too
 large, missing API key, unexpected failure) in that protocol's shape. Protocol routes find the
 served models at ``app.state.registry`` (a :class:`protocols.internal.ModelDirectory`) and the
-gateway's options at ``app.state.config``.
+protocol's own options (its ``options`` type, built by the gateway from its configuration) with
+:func:`options_of`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import APIRouter
+from starlette.requests import HTTPConnection
 from starlette.responses import Response
 
-__all__ = ["ProtocolSpec"]
+__all__ = ["ProtocolSpec", "options_of"]
+
+Options = TypeVar("Options")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,10 @@ class ProtocolSpec:
     prefixes: tuple[str, ...] = ()
     # Probes that must answer without the gateway's API key (SageMaker's /ping).
     public_paths: frozenset[str] = frozenset()
+    # The options its routes read: a msgspec Struct whose fields name (``msgspec.field(name=)``)
+    # the gateway configuration's key for each, so the gateway builds it from its configuration
+    # (``GatewayConfig.options_for``) and the routes get it with :func:`options_of`.
+    options: type | None = None
 
     def match(self, path: str) -> int:
         """How specifically this protocol owns ``path`` (0: not at all): an exact path beats
@@ -40,3 +49,10 @@ class ProtocolSpec:
         if path in self.paths:
             return 1 << 16
         return max((len(p) for p in self.prefixes if path.startswith(p)), default=0)
+
+
+def options_of(connection: HTTPConnection, kind: type[Options]) -> Options:
+    """The options of type ``kind`` the gateway built for the app serving ``connection`` (a
+    request or a websocket)."""
+    options: dict[type, Any] = connection.app.state.protocol_options
+    return options[kind]

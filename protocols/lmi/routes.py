@@ -4,15 +4,17 @@
 A body with ``inputs`` is LMI (a string: rolling batch; a list: dynamic batch); ``prompt`` or
 ``messages`` is an OpenAI completion or chat request, as newer LMI containers dispatch it.
 Streams are peeked, so a request the engine refuses gets a real status, never a 200 stream.
-The app must carry ``app.state.registry`` and ``app.state.config`` (a ``GatewayConfig``).
+The app must carry ``app.state.registry`` and LMI's options (:class:`LMIOptions`,
+``protocols.spec.options_of``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -25,6 +27,7 @@ from protocols.lmi.errors import (
     payload_error,
 )
 from protocols.openai import serving as openai_serving
+from protocols.spec import options_of
 from protocols.streams import Peeked
 from protocols.textgen.encode import (
     GenerationFailed,
@@ -50,9 +53,22 @@ from protocols.textgen.params import (
 )
 from protocols.textgen.serving import STREAM_HEADERS, response_meta, start_generation
 
-__all__ = ["router"]
+__all__ = ["LMIOptions", "router"]
 
 router = APIRouter()
+
+
+class LMIOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What LMI's routes read of the gateway's configuration (each field's ``name`` is its key
+    there, docs/configuration.md)."""
+
+    # option.tgi_compat: /invocations answers in TGI's shapes (a list; SSE streams).
+    tgi_compat: bool = msgspec.field(default=False, name="lmi_tgi_compat")
+    # option.output_formatter: how a stream is framed when the client's Accept does not say.
+    output_formatter: Literal["jsonlines", "sse"] = msgspec.field(
+        default="jsonlines", name="lmi_output_formatter")
+    # Sequences one request may ask for (inputs times n), over every protocol.
+    max_fanout: int = 256
 
 _NO_PAYLOAD = "Input parsing failed: invalid payload. must contain prompt, inputs, or messages"
 
@@ -117,7 +133,8 @@ async def _openai(request: Request,
                   body: dict) -> Response:
     """An OpenAI-shaped body, answered by OpenAI's serving layer as newer LMI containers do
     (OpenAI's shapes and errors, ``x-request-id`` echoed)."""
-    result = await handler(body, request.app.state.registry, request.app.state.config.max_fanout)
+    result = await handler(body, request.app.state.registry,
+                           options_of(request, LMIOptions).max_fanout)
     return openai_serving.as_response(result, request.headers.get("x-request-id"))
 
 
@@ -131,8 +148,8 @@ def _wants_sse(request: Request, default_formatter: str) -> bool:
 
 
 async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
-    config = request.app.state.config
-    compat = config.lmi_tgi_compat
+    options = options_of(request, LMIOptions)
+    compat = options.tgi_compat
     dynamic = isinstance(body.get("inputs"), list)
     try:
         inputs, params, stream = parse_body(body, allow_list=True)
@@ -141,9 +158,9 @@ async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
         raise (dynamic_error if dynamic else payload_error)(str(exc)) from None
     if isinstance(inputs, list):
         per_input = max(gen.sampling.n, gen.sampling.best_of or 1)
-        if len(inputs) * per_input > config.max_fanout:
+        if len(inputs) * per_input > options.max_fanout:
             raise dynamic_error(f"{len(inputs)} inputs x {per_input} sequences each; at most "
-                                f"{config.max_fanout} are allowed per request")
+                                f"{options.max_fanout} are allowed per request")
         return await _dynamic(engine, name, inputs, gen, stream=bool(stream))
     writer = TGIWriter(with_inputs=True) if compat else LMIWriter()
     try:
@@ -154,7 +171,7 @@ async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
     if stream:
         objects = stream_objects(aiter(peeked), meta, writer)
         # TGI-compatible mode only changes the default framing to SSE (the seed's `data: `).
-        if _wants_sse(request, "sse" if compat else config.lmi_output_formatter):
+        if _wants_sse(request, "sse" if compat else options.output_formatter):
             return StreamingResponse(sse(objects, space=True), media_type="text/event-stream",
                                      headers=STREAM_HEADERS)
         return StreamingResponse(jsonlines(objects), media_type="application/jsonlines",

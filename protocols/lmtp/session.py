@@ -46,10 +46,13 @@ def _valid_stream_id(value: Any) -> bool:
 
 
 class LMTPLimits(msgspec.Struct, frozen=True, kw_only=True):
-    max_streams: int = 128
-    max_frame_bytes: int = 4 * 1024 * 1024
-    outbox_items: int = 4096
-    idle_timeout_s: float | None = 900.0
+    """LMTP's bounds per websocket connection (its ``ProtocolSpec.options``; each field's
+    ``name`` is its key in the gateway's configuration, docs/configuration.md)."""
+
+    max_streams: int = msgspec.field(default=128, name="lmtp_max_streams")
+    max_frame_bytes: int = msgspec.field(default=4 * 1024 * 1024, name="lmtp_max_frame_bytes")
+    outbox_items: int = msgspec.field(default=4096, name="lmtp_outbox_items")
+    idle_timeout_s: float | None = msgspec.field(default=900.0, name="lmtp_idle_timeout_s")
 
 
 class LMTPSession:

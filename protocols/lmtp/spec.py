@@ -2,6 +2,8 @@
 its connections are LMTP messages, and plain HTTP on ``/`` belongs to TGI."""
 
 from protocols.lmtp.routes import router
+from protocols.lmtp.session import LMTPLimits
 from protocols.spec import ProtocolSpec
 
-SPEC = ProtocolSpec(name="lmtp", routers=(router,), listing="ws:///  or  ws:///lmtp")
+SPEC = ProtocolSpec(name="lmtp", routers=(router,), listing="ws:///  or  ws:///lmtp",
+                    options=LMTPLimits)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -17,11 +18,20 @@ from protocols.jsonbody import BodyError, decode_json
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
 from protocols.mindie.errors import NOT_FOUND, from_event
 from protocols.mindie.validate import to_request
+from protocols.spec import options_of
 from protocols.streams import peek
 
-__all__ = ["router"]
+__all__ = ["MindIEOptions", "router"]
 
 router = APIRouter()
+
+
+class MindIEOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What MindIE's routes read of the gateway's configuration (each field's ``name`` is its
+    key there, docs/configuration.md)."""
+
+    # MindIE's fullTextEnabled: generate_stream events carry the cumulative text, not deltas.
+    full_text: bool = msgspec.field(default=False, name="mindie_full_text")
 
 
 def _resolve(request: Request, model: str) -> tuple[str, EngineClient]:
@@ -44,7 +54,7 @@ async def _start(request: Request, model: str, stream: bool):
     if peeked.error is not None:
         raise from_event(peeked.error)
     meta = ResponseMeta(id=options.id, model=model, details=options.details,
-                        full_text=request.app.state.config.mindie_full_text)
+                        full_text=options_of(request, MindIEOptions).full_text)
     return meta, peeked
 
 

@@ -5,14 +5,23 @@ Thin: each route hands the body to ``serving`` and wraps the result.
 
 from __future__ import annotations
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from protocols.openai import serving
+from protocols.spec import options_of
 
-__all__ = ["router"]
+__all__ = ["OpenAIOptions", "router"]
 
 router = APIRouter()
+
+
+class OpenAIOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What OpenAI's routes read of the gateway's configuration (docs/configuration.md)."""
+
+    # Choices one request may ask for (prompts times n / best_of), refused in shape beyond.
+    max_fanout: int = 256
 
 
 @router.get("/v1/models")
@@ -50,4 +59,4 @@ async def detokenize(request: Request) -> dict:
 
 
 def _max_fanout(request: Request) -> int:
-    return request.app.state.config.max_fanout  # a GatewayConfig, as create_app sets it
+    return options_of(request, OpenAIOptions).max_fanout

@@ -1,8 +1,9 @@
 """The OpenAI protocol as the gateway mounts it."""
 
 from protocols.openai.errors import route_error
-from protocols.openai.routes import router
+from protocols.openai.routes import OpenAIOptions, router
 from protocols.spec import ProtocolSpec
 
 SPEC = ProtocolSpec(name="openai", routers=(router,), listing="/v1", route_error=route_error,
-                    paths=frozenset({"/tokenize", "/detokenize"}), prefixes=("/v1/",))
+                    paths=frozenset({"/tokenize", "/detokenize"}), prefixes=("/v1/",),
+                    options=OpenAIOptions)

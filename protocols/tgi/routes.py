@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protocols.contract import EngineClient
 from protocols.errors import EnvelopeError
+from protocols.spec import options_of
 from protocols.streams import Peeked
 from protocols.textgen.encode import (
     GenerationFailed,
@@ -36,16 +38,26 @@ from protocols.textgen.params import (
 from protocols.textgen.serving import STREAM_HEADERS, response_meta, start_generation
 from protocols.tgi.errors import from_event, invalid
 
-__all__ = ["router"]
+__all__ = ["TGIOptions", "router"]
 
 router = APIRouter()
+
+
+class TGIOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What TGI's routes read of the gateway's configuration (each field's ``name`` is its key
+    there, docs/configuration.md)."""
+
+    # The model its routes (/generate, /generate_stream, POST /, /info) serve; None: the first.
+    model: str | None = msgspec.field(default=None, name="tgi_model")
+    # What /info reports as the server's concurrency bound (the gateway's admission bound).
+    max_concurrent_requests: int = 512
 
 _WRITER = TGIWriter()
 
 
 def _model(request: Request) -> tuple[str, EngineClient]:
     registry = request.app.state.registry
-    name = request.app.state.config.tgi_model or registry.names()[0]
+    name = options_of(request, TGIOptions).model or registry.names()[0]
     try:
         return registry.resolve(name)
     except LookupError:
@@ -132,7 +144,7 @@ async def info(request: Request) -> dict:
     name, _ = _model(request)
     model = await request.app.state.registry.info(name)
     return {"model_id": name, "model_sha": None, "model_pipeline_tag": "text-generation",
-            "max_concurrent_requests": request.app.state.config.max_concurrent_requests,
+            "max_concurrent_requests": options_of(request, TGIOptions).max_concurrent_requests,
             "max_best_of": TGI.max_best_of, "max_stop_sequences": TGI.max_stop_sequences,
             "max_input_tokens": model.max_model_len - 1, "max_total_tokens": model.max_model_len,
             "max_top_n_tokens": TGI.max_top_n_tokens, "router": "llm-gateway",

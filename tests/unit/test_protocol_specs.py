@@ -6,10 +6,12 @@ from __future__ import annotations
 import re
 
 import httpx
+import msgspec
 import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
+from engines.embedded import EMBEDDED_MODEL_NAME
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
@@ -30,6 +32,28 @@ def test_every_catalogued_protocol_has_a_spec_of_that_name():
     for name in PROTOCOLS:
         spec = load_spec(name)
         assert spec.name == name and spec.routers and spec.listing
+
+
+@pytest.mark.parametrize("name", [n for n in PROTOCOLS if load_spec(n).options is not None])
+def test_a_protocols_options_come_from_the_gateway_config_key_each_field_names(name):
+    kind = load_spec(name).options
+    fields = msgspec.structs.fields(kind)
+    keys = {f.name for f in msgspec.structs.fields(GatewayConfig)}
+    assert fields and all(f.encode_name in keys for f in fields), (name, fields)
+    # the same defaults on both sides: an options struct made directly is the configured one
+    assert GatewayConfig().options_for(kind) == kind()
+    changed = {f.encode_name: _other_value(f.default) for f in fields}
+    got = GatewayConfig(**changed).options_for(kind)
+    assert [getattr(got, f.name) for f in fields] == list(changed.values())
+
+
+def _other_value(default):
+    """A valid value unlike ``default`` for every options field type there is."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int | float):
+        return default + 1
+    return {None: EMBEDDED_MODEL_NAME, "jsonlines": "sse"}[default]  # a served model
 
 
 @pytest.mark.parametrize("protocols", [["nope"], [], ["openai", "openai"]])
