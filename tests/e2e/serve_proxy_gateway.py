@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 
 import httpx
 
 from gateway.serve_env import free_port
+from tests.e2e.aborts import drop_stream, engine_stats, wait_for_abort
 from tests.e2e.cluster_models import _wait
 
 PROMPT = "The capital of France is"
@@ -85,20 +85,11 @@ def _asks(url: str, model: str) -> dict:
 
 def _disconnect(http: httpx.Client, model: str) -> dict:
     """A stream dropped after its first event: the engine request is aborted."""
-    def stats() -> dict:
-        return http.get("/gateway/engines").json()[model]
-
-    before = stats()["aborted"]
-    with http.stream("POST", "/v1/completions", json={
-            "model": model, "prompt": PROMPT, "max_tokens": 400, "stream": True,
-            "ignore_eos": True}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                break  # leaving the block drops the connection mid-stream
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and stats()["aborted"] == before:
-        time.sleep(0.2)
-    now = stats()
+    before = engine_stats(http, model)["aborted"]
+    drop_stream(http, "/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 400, "stream": True,
+        "ignore_eos": True}, lines=1, prefix="data: {")
+    now = wait_for_abort(http, model, before)
     return {"aborted_before": before, "aborted_after": now["aborted"], "active": now["active"]}
 
 

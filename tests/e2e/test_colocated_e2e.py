@@ -5,12 +5,11 @@ engine replica of the same model (``reference_greedy``), never the colocated pat
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from huggingface_hub import InferenceClient
 
+from tests.e2e.aborts import drop_stream, engine_stats, wait_for_abort
 from tests.serve_session import COLOCATED_APP, COLOCATED_MODEL
 
 pytestmark = pytest.mark.e2e
@@ -65,19 +64,9 @@ def test_tgi_and_mindie_streams_give_the_same_text(colocated_url, http, referenc
 
 
 def test_a_client_disconnect_aborts_the_colocated_engine_request(http):
-    def stats() -> dict:
-        return http.get("/gateway/engines").json()[COLOCATED_MODEL]
-
-    aborted = stats()["aborted"]
-    with http.stream("POST", "/v1/completions", json={
-            "model": COLOCATED_MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True,
-            "ignore_eos": True}) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                break  # leaving the block drops the connection mid-stream
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and stats()["aborted"] == aborted:
-        time.sleep(0.2)
-    now = stats()
+    aborted = engine_stats(http, COLOCATED_MODEL)["aborted"]
+    drop_stream(http, "/v1/completions", {
+        "model": COLOCATED_MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True,
+        "ignore_eos": True}, lines=1, prefix="data: {")
+    now = wait_for_abort(http, COLOCATED_MODEL, aborted)
     assert now["aborted"] == aborted + 1 and now["active"] == 0

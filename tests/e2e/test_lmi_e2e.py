@@ -6,7 +6,6 @@ what TGI users run, and a second in-process app for LMI's TGI-compatible mode.""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -21,6 +20,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.engine_client import ServeEngineClient
 from gateway.registry import ModelRegistry
+from tests.e2e.aborts import drop_stream, engine_stats, wait_for_abort
 from tests.e2e.conftest import MODEL
 from tests.seed_examples import LMI_SEED_ERROR, LMI_SEED_REQUEST
 from tests.serve_session import serve_in_thread
@@ -105,19 +105,6 @@ def _plain_text(tokens: list[dict]) -> str:
 
 def _cumulative(tokens: list[dict]) -> float:
     return sum(t["log_prob"] for t in tokens)
-
-
-def _engine_stats(http: httpx.Client) -> dict:
-    return http.get("/gateway/engines").json()[MODEL]
-
-
-def _wait_for_abort(http: httpx.Client, before: int) -> dict:
-    deadline = time.monotonic() + 30
-    stats = _engine_stats(http)
-    while time.monotonic() < deadline and (stats["active"] or stats["aborted"] <= before):
-        time.sleep(0.5)
-        stats = _engine_stats(http)
-    return stats
 
 
 @pytest.fixture(scope="module")
@@ -425,7 +412,7 @@ def test_dynamic_batch_stream_refuses_several_sequences_per_input(http):
 
 
 def test_dynamic_batch_failure_is_424_and_aborts_the_started_inputs(http):
-    before = _engine_stats(http)["aborted"]
+    before = engine_stats(http, MODEL)["aborted"]
     response = http.post("/invocations", json={
         "inputs": ["hello " * 3000, PROMPT],  # the first is beyond the context, the second runs
         "parameters": LONG})
@@ -434,7 +421,7 @@ def test_dynamic_batch_failure_is_424_and_aborts_the_started_inputs(http):
     assert set(error) == {"code", "message", "error"}
     assert error["code"] == 424 and error["message"] == "invoke handler failure"
     assert "2048" in error["error"]
-    stats = _wait_for_abort(http, before)
+    stats = wait_for_abort(http, MODEL, before)
     assert stats["aborted"] == before + 1 and stats["active"] == 0
 
 
@@ -533,25 +520,19 @@ def test_messages_body_is_an_openai_chat_completion(http):
     ("/generate_stream", {"inputs": PROMPT, "parameters": LONG}, 1),
 ])
 def test_stream_disconnect_aborts_the_engine_request(gateway_url, http, path, body, requests):
-    before = _engine_stats(http)["aborted"]
+    before = engine_stats(http, MODEL)["aborted"]
     with httpx.Client(base_url=gateway_url, timeout=60) as client:
-        with client.stream("POST", path, json=body) as response:
-            assert response.status_code == 200
-            received = 0
-            for line in response.iter_lines():
-                received += bool(line.strip())
-                if received >= 3:
-                    break
-    stats = _wait_for_abort(http, before + requests - 1)
+        drop_stream(client, path, body)
+    stats = wait_for_abort(http, MODEL, before + requests - 1)
     assert stats["aborted"] == before + requests and stats["active"] == 0
 
 
 def test_non_stream_disconnect_aborts_the_engine_request(gateway_url, http):
-    before = _engine_stats(http)["aborted"]
+    before = engine_stats(http, MODEL)["aborted"]
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{gateway_url}/invocations", json={"inputs": PROMPT, "parameters": LONG},
                    timeout=2)
-    stats = _wait_for_abort(http, before)
+    stats = wait_for_abort(http, MODEL, before)
     assert stats["aborted"] == before + 1 and stats["active"] == 0
 
 

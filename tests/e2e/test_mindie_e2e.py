@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from tests.e2e.aborts import drop_stream, engine_stats, wait_for_abort
 from tests.e2e.conftest import MODEL
 from tests.seed_examples import MINDIE_SEED_EXAMPLE
 
@@ -166,19 +167,10 @@ def test_kserve_probes(http):
 
 
 def test_disconnect_aborts_the_engine_request(gateway_url, http):
-    before = http.get("/gateway/engines").json()[MODEL]["aborted"]
+    before = engine_stats(http, MODEL)["aborted"]
     body = {"text_input": PROMPT, "max_tokens": 1500, "end_id": 10**7,
             "parameters": {"max_new_tokens": 1500}}
     with httpx.Client(base_url=gateway_url, timeout=60) as client:
-        with client.stream("POST", f"{URL}/generate_stream", json=body) as response:
-            lines = 0
-            for line in response.iter_lines():
-                lines += line.startswith("data:")
-                if lines >= 3:
-                    break
-    deadline = time.monotonic() + 30
-    stats = http.get("/gateway/engines").json()[MODEL]
-    while time.monotonic() < deadline and (stats["active"] or stats["aborted"] <= before):
-        time.sleep(0.5)
-        stats = http.get("/gateway/engines").json()[MODEL]
+        drop_stream(client, f"{URL}/generate_stream", body, prefix="data:")
+    stats = wait_for_abort(http, MODEL, before)
     assert stats["aborted"] == before + 1 and stats["active"] == 0

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
+from tests.e2e.aborts import drop_stream, engine_stats, wait_for_abort
 from tests.e2e.conftest import MODEL, assert_greedy_or_near_tie
 
 PROMPT = "The capital of France is"
@@ -172,30 +172,13 @@ async def test_concurrent_streams_do_not_mix(async_openai_client, logprob_tolera
         assert_greedy_or_near_tie(streamed, tops, whole, logprob_tolerance)
 
 
-def _engine_stats(http) -> dict:
-    return http.get("/gateway/engines").json()[MODEL]
-
-
 def test_client_disconnect_aborts_engine_request(gateway_url, http):
-    before = _engine_stats(http)["aborted"]
+    before = engine_stats(http, MODEL)["aborted"]
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True,
             "stream": True}
     with httpx.Client(base_url=gateway_url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            received = 0
-            for line in lines:
-                if line.startswith("data: "):
-                    received += 1
-                if received >= 3:
-                    break
-        # leaving the block closes the connection mid-stream
-    deadline = time.monotonic() + 30
-    stats = _engine_stats(http)
-    while time.monotonic() < deadline and (stats["active"] or stats["aborted"] <= before):
-        time.sleep(0.5)
-        stats = _engine_stats(http)
+        drop_stream(client, "/v1/completions", body, prefix="data: ")
+    stats = wait_for_abort(http, MODEL, before)
     assert stats["aborted"] == before + 1
     assert stats["active"] == 0
 
