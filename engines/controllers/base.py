@@ -22,14 +22,18 @@ which the runtime reports as the seed's ``storage`` ``WriteVar`` entries.
 from __future__ import annotations
 
 import copy
+import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+import msgspec
 import numpy as np
 from msgspec import UNSET
 
 from engines.controllers.messages import PreState
+
+Arg = TypeVar("Arg")
 
 __all__ = ["Controller", "ControllerContext", "ControllerError", "PreResult", "TokenizerInfo",
            "Variables"]
@@ -39,6 +43,20 @@ class ControllerError(Exception):
     """The user's controller argument or program is wrong: reported as a user error (the
     sequence fails with this message, in the protocol's shape); anything else a controller
     raises is a controller failure."""
+
+
+def json_arg(controller: str, arg: str, kind: type[Arg], usage: str) -> Arg:
+    """A controller's ``controller_arg`` (JSON) as its own type ``kind``; otherwise a
+    :class:`ControllerError` naming ``controller``: the parser's message when it is not JSON,
+    ``usage`` when it does not have ``kind``'s shape."""
+    try:
+        value = json.loads(arg)
+    except json.JSONDecodeError as exc:
+        raise ControllerError(f"{controller}: controller_arg is not JSON: {exc}") from None
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError:
+        raise ControllerError(f"{controller}: {usage}") from None
 
 
 class TokenizerInfo(Protocol):

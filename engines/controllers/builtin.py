@@ -13,9 +13,16 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import msgspec
 import numpy as np
 
-from engines.controllers.base import Controller, ControllerContext, ControllerError, PreResult
+from engines.controllers.base import (
+    Controller,
+    ControllerContext,
+    ControllerError,
+    PreResult,
+    json_arg,
+)
 from engines.controllers.declctrl import DeclController
 
 __all__ = ["BUILTIN_CONTROLLERS", "GuidanceController", "HFTokenizerInfo", "NoneController"]
@@ -57,6 +64,10 @@ class NoneController(Controller):
     """Plain generation: every token allowed; only ``max_tokens`` ends it (EOS is ignored)."""
 
 
+class GuidanceArg(msgspec.Struct):
+    grammar: dict[str, Any] | str
+
+
 class GuidanceController(Controller):
     """``controller_arg = {"grammar": <llguidance TopLevelGrammar>}``: Lark, regex or JSON schema
     grammars. Masks come from llguidance; the tokens the grammar forces are fast-forwarded; the
@@ -64,13 +75,8 @@ class GuidanceController(Controller):
 
     def __init__(self, ctx: ControllerContext, arg: str, prompt: list[int]) -> None:
         super().__init__(ctx, arg, prompt)
-        try:
-            spec = json.loads(arg)
-        except json.JSONDecodeError as exc:
-            raise ControllerError(f"llguidance: controller_arg is not JSON: {exc}") from None
-        if not isinstance(spec, dict) or not isinstance(spec.get("grammar"), dict | str):
-            raise ControllerError('llguidance: controller_arg is {"grammar": <TopLevelGrammar>}')
-        grammar = spec["grammar"]
+        grammar = json_arg("llguidance", arg, GuidanceArg,
+                           'controller_arg is {"grammar": <TopLevelGrammar>}').grammar
         grammar = grammar if isinstance(grammar, str) else json.dumps(grammar)
         tok = ctx.tokenizer.llg
         error = llguidance.LLMatcher.validate_grammar(grammar, tok)

@@ -13,11 +13,18 @@ replica's controller runtime with its permissions.
 
 from __future__ import annotations
 
-import json
+from typing import Annotated, Any
 
-from engines.controllers.base import Controller, ControllerContext, ControllerError, PreResult
+import msgspec
+
+from engines.controllers.base import Controller, ControllerContext, PreResult, json_arg
 
 __all__ = ["Redact"]
+
+
+class RedactArg(msgspec.Struct):
+    words: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+    replacement: Any = "[redacted]"  # written as text, whatever JSON value it is
 
 
 class Redact(Controller):
@@ -27,17 +34,10 @@ class Redact(Controller):
 
     def __init__(self, ctx: ControllerContext, arg: str, prompt: list[int]) -> None:
         super().__init__(ctx, arg, prompt)
-        try:
-            spec = json.loads(arg)
-        except json.JSONDecodeError as exc:
-            raise ControllerError(f"redact: controller_arg is not JSON: {exc}") from None
-        words = spec.get("words") if isinstance(spec, dict) else None
-        if not isinstance(words, list) or not words or \
-                not all(isinstance(w, str) and w for w in words):
-            raise ControllerError('redact: controller_arg is {"words": [non-empty strings], '
-                                  '"replacement": str}')
-        self.words = [w.encode() for w in words]
-        self.replacement = str(spec.get("replacement", "[redacted]"))
+        spec = json_arg("redact", arg, RedactArg,
+                        'controller_arg is {"words": [non-empty strings], "replacement": str}')
+        self.words = [w.encode() for w in spec.words]
+        self.replacement = str(spec.replacement)
         self.out: list[int] = []
 
     def post_process(self, tokens: list[int], backtrack: int) -> bool:
