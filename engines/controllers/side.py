@@ -2,7 +2,7 @@
 tag registry (``docs/protocols/controller-runtime.md``).
 
 Beyond the seed, ``advance``, ``fork`` and ``release`` let the engine's frontend carry out what
-vLLM cannot do inside a step (fast-forward, forks; ``engines/vllm/controlled.py``). A controller
+vLLM cannot do inside a step (fast-forward, forks; ``engines/controllers/run.py``). A controller
 lives by its ``req_id`` from ``instantiate`` until ``release``; the engine binds it to a sequence
 id per segment (``pre_ops``) and frees that id when the segment ends, and between segments the
 frontend calls ``advance``: ``post_process`` of the tokens appended outside the engine (forced

@@ -19,11 +19,11 @@ from typing import Any
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
 from engines.controllers.messages import TagList, read
+from engines.controllers.run import ControlledRun, Segment
 from engines.embedded import resolve_model_source
 from engines.reaper import start_reaper
 from engines.tokens import prompt_char_limit, render_prompt
 from engines.vllm.args import engine_args
-from engines.vllm.controlled import ControlledRun, Segment
 from engines.vllm.controller_hook import AICI_ARG
 from engines.vllm.logit_bias import BIAS_ARG, VLLM_MAX_ENTRIES, pack_bias
 from engines.vllm.logit_bias import PROCESSOR as BIAS_PROCESSOR

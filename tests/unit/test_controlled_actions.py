@@ -1,9 +1,8 @@
-"""What a controlled branch does next (engines/vllm/controlled_actions.py), one case each."""
+"""What a controlled branch does next (engines/controllers/actions.py), one case each."""
 
 import pytest
 
-from engines.controllers.messages import AdvanceAnswer, PreState
-from engines.vllm.controlled_actions import (
+from engines.controllers.actions import (
     ControllerFailed,
     Edit,
     Finish,
@@ -12,6 +11,7 @@ from engines.vllm.controlled_actions import (
     Suspend,
     decide,
 )
+from engines.controllers.messages import AdvanceAnswer, PreState
 
 
 class _Output:

@@ -1,4 +1,4 @@
-"""The frontend driver of controlled requests (engines/vllm/controlled.py) against the real
+"""The frontend driver of controlled requests (engines/controllers/run.py) against the real
 controller runtime and a scripted stand-in for vLLM + the hook: each segment binds its
 controller (``pre_ops``), reports each sampled token (``post_ops``), and ends on EOS when the
 controller stops or asks for fast-forward, as the hook makes vLLM do."""
@@ -13,9 +13,9 @@ import pytest
 
 from engines.controllers.base import PreResult
 from engines.controllers.channels import RuntimeReplyError
+from engines.controllers.run import ControlledRun, Segment
 from engines.controllers.runtime import Limits
 from engines.controllers.shm import ChannelFull, ChannelTimeout
-from engines.vllm.controlled import ControlledRun, Segment
 from protocols.internal import (
     BacktrackEvent,
     ControllerSpec,

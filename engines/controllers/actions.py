@@ -1,4 +1,4 @@
-"""What a branch of a controlled run does next (``engines/vllm/controlled.py``): one decision per
+"""What a branch of a controlled run does next (``engines/controllers/run.py``): one decision per
 answer of the controller, as a value, so the driver's loop reads as the list of cases."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.controllers.messages import AdvanceAnswer, PreState
-from engines.vllm.controlled_output import BranchOutput
+from engines.controllers.output import BranchOutput
 from protocols.internal import ErrorKind, FinishReason
 
 __all__ = ["Action", "ControllerFailed", "Edit", "Finish", "Fork", "RunSegment", "Suspend",

@@ -1,13 +1,14 @@
-"""Requests with a controller on the ``vllm`` engine kind: segments, driven from the frontend.
+"""A controlled request as segments, driven from the engine's frontend, for any engine kind.
 
-vLLM cannot append tokens it did not sample, so a controlled request runs as *segments*, each
-one vLLM request whose steps the hook inside vLLM (``controller_hook``) masks, and which it ends
-(allowing only EOS) when the controller stops, fails or asks for an edit. Between segments this
-driver asks the runtime (``advance``) what the controller wants (``controlled_actions.decide``),
-withdraws or forces tokens, forks or waits, and resubmits ``prompt + output so far``; the
-branch's events come from ``controlled_output.BranchOutput``. The whole walk, the segment's last
-token, forks, suspends and deadlock: ``docs/controllers.md``, "A controlled request on the
-``vllm`` kind".
+An engine that cannot append tokens it did not sample runs a controlled request as *segments*:
+each one engine request whose steps the engine's hook masks (the ``vllm`` kind's
+``engines/vllm/controller_hook.py``), and which the hook ends (allowing only EOS) when the
+controller stops, fails or asks for an edit. Between segments this driver asks the runtime
+(``advance``) what the controller wants (``engines.controllers.actions.decide``), withdraws or
+forces tokens, forks or waits, and resubmits ``prompt + output so far``; the branch's events
+come from ``engines.controllers.output.BranchOutput``. The engine gives ``run_segment``. The
+whole walk, the segment's last token, forks, suspends and deadlock: ``docs/controllers.md``,
+"A controlled request on the ``vllm`` kind".
 """
 
 from __future__ import annotations
@@ -23,10 +24,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from engines.controllers.channels import RuntimeReplyError, SideClient
-from engines.controllers.messages import AdvanceAnswer, read
-from engines.controllers.shm import ChannelError, ChannelFull
-from engines.vllm.controlled_actions import (
+from engines.controllers.actions import (
     ControllerFailed,
     Edit,
     Finish,
@@ -34,7 +32,10 @@ from engines.vllm.controlled_actions import (
     Suspend,
     decide,
 )
-from engines.vllm.controlled_output import BranchOutput
+from engines.controllers.channels import RuntimeReplyError, SideClient
+from engines.controllers.messages import AdvanceAnswer, read
+from engines.controllers.output import BranchOutput
+from engines.controllers.shm import ChannelError, ChannelFull
 from protocols.internal import (
     DEADLOCK,
     ErrorEvent,

@@ -1,4 +1,4 @@
-"""One branch of a controlled run as the events it emits (``engines/vllm/controlled.py``).
+"""One branch of a controlled run as the events it emits (``engines/controllers/run.py``).
 
 The output so far (ids and the text each added), the token held back until the next says
 whether it is the last (encoders put the finish on that token), the controller's logs, storage
