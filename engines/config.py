@@ -13,8 +13,9 @@ __all__ = ["Autoscaling", "Controllers", "ModelConfig"]
 
 
 class Controllers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """AICI-style per-step controllers on a ``vllm`` model (``docs/controllers.md``): a
-    controller runtime beside each replica and the engine hook that asks it every step.
+    """AICI-style per-step controllers on a model (``docs/controllers.md``; kinds that run them:
+    ``vllm`` and ``pipeline``): a controller runtime beside each replica and the engine hook
+    that asks it every step.
 
     ``custom``: the operator's trusted controller classes, ``{tag: "package.module:Class"}``,
     beside the built-ins ``none`` and ``llguidance``. ``step_ms`` / ``init_ms``: the per-step and

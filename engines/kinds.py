@@ -52,7 +52,8 @@ ENGINE_KINDS: dict[str, EngineKind] = {
     # PipelineArgs.max_sequences' default (a unit test holds them equal).
     "pipeline": EngineKind(implementation="engines.pipeline.engine:PipelineEngine",
                            concurrency_arg="max_sequences", default_concurrency=16,
-                           arg_check="engines.pipeline.config:check_engine_args"),
+                           arg_check="engines.pipeline.config:check_engine_args",
+                           runs_controllers=True),
 }
 
 

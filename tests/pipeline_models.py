@@ -47,3 +47,17 @@ def build_tiny(kind: str, target: Path, tokenizer_from: Path | None = None) -> P
             if (tokenizer_from / name).is_file():
                 shutil.copy(tokenizer_from / name, target / name)
     return target
+
+
+def local_pipeline(model_dir: Path, ranges=((1, 3), (3, 6)), **engine_args):
+    """A PipelineEngine named "tiny" over ``model_dir`` with its stages in this process."""
+    from engines.config import ModelConfig
+    from engines.pipeline.engine import PipelineEngine
+    from engines.pipeline.loading import load_layers
+    from engines.pipeline.stage import StageCore
+    from engines.pipeline.stages import LocalStages
+
+    config = ModelConfig(name="tiny", engine="pipeline", source=str(model_dir),
+                         engine_args={"stages": [list(r) for r in ranges], **engine_args})
+    cores = [StageCore(load_layers(model_dir, a, b), a, b) for a, b in ranges]
+    return PipelineEngine(config, stages=LocalStages(cores))

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from engines.controllers.builtin import BUILTIN_CONTROLLERS, HFTokenizerInfo
-from engines.controllers.channels import MainServer, SideServer
+from engines.controllers.channels import MainServer, SideClient, SideServer
+from engines.controllers.messages import TagList, read
 from engines.controllers.runtime import ControllerFactory, ControllerRuntime, Limits
-from engines.controllers.shm import BiasMatrix
+from engines.controllers.shm import BiasMatrix, ChannelObjects
+from protocols.internal import ControllerTag
 
-__all__ = ["RuntimeService", "load_controllers", "start_runtime"]
+__all__ = ["AttachedRuntime", "RuntimeService", "attach_runtime", "load_controllers",
+           "start_runtime"]
 
 log = logging.getLogger(__name__)
 
@@ -96,3 +100,45 @@ class _ActorHandle:
         except Exception as exc:  # gone already: the shm objects are the owner's to remove
             log.debug("controller runtime actor: %s", exc)
         ray.kill(self._actor)
+
+
+class AttachedRuntime:
+    """An engine replica's controller runtime, as the replica holds it: the shared-memory
+    objects it made (``prefix`` names them for the processes that open their ends), the runtime
+    serving them, and the side channel's client. :meth:`close` ends all three."""
+
+    def __init__(self, prefix: str, objects: ChannelObjects, runtime: Any,
+                 side: SideClient) -> None:
+        self.prefix, self.side = prefix, side
+        self._parts = (side, runtime, objects)
+
+    def tags(self) -> tuple[ControllerTag, ...]:
+        """The runtime's own tag list (it is the authority on what it hosts), for the
+        engine's ``ModelInfo.controllers``."""
+        answer = self.side.request("get_tags", timeout=30).result(timeout=30)
+        return tuple(ControllerTag(tag=t.tag, module_id=t.module_id)
+                     for t in read(answer, TagList).tags)
+
+    def close(self) -> None:
+        for part in self._parts:
+            try:
+                part.close()
+            except Exception as exc:  # at exit: whatever is left is the OS's to clean up
+                log.debug("closing the controller runtime: %s", exc)
+
+
+def attach_runtime(model_dir: str, vocab_size: int, custom: Mapping[str, str],
+                   limits: Limits) -> AttachedRuntime:
+    """Make the shared-memory objects, start a runtime over them beside this replica
+    (:func:`start_runtime`) and open the side channel's client: what every engine kind with
+    controllers does before its engine starts."""
+    # POSIX names are per host: the pid and a random part keep replicas apart.
+    prefix = f"/llmgw-{os.getpid()}-{os.urandom(3).hex()}-"
+    objects = ChannelObjects(prefix)
+    try:
+        runtime = start_runtime(prefix, model_dir, vocab_size, custom, limits)
+        side = SideClient(prefix, create=False)
+    except BaseException:
+        objects.close()
+        raise
+    return AttachedRuntime(prefix, objects, runtime, side)

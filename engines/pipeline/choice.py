@@ -5,6 +5,7 @@ thread): sample, see whether the choice ends, and say which events that makes.""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engines.base import Admitted
@@ -32,7 +33,8 @@ class Choice:
     """Choice ``index`` of ``request``; ``queue_s``: how long it waited for a slot."""
 
     def __init__(self, engine: PipelineEngine, request: GenerateRequest, admitted: Admitted,
-                 index: int, started: float, queue_s: float):
+                 index: int, started: float, queue_s: float,
+                 control: Callable[[list[int]], Any] | None = None):
         self.engine, self.request, self.index = engine, request, index
         self.started, self.queue_s = started, queue_s
         self.prompt_ids = admitted.prompt_ids
@@ -45,6 +47,9 @@ class Choice:
                                s.include_stop_str_in_output)
         self.generated = 0
         self.first_token_at: float | None = None
+        # A controlled segment's hook: the sequence's tokens → its mask for this step
+        # (engines/pipeline/controlled.py).
+        self.control = control
 
     def step(self, logits: Any, prompt_hidden: list[Any] | None) -> tuple[list[Event], bool]:
         """The events of the next token (the prompt's first, when asked for) and whether the
@@ -55,7 +60,8 @@ class Choice:
             events.append(self.engine.prompt_event(self.prompt_ids, prompt_hidden,
                                                    out.prompt_logprobs))
         self.generated += 1
-        token, logprobs = self.sampler.sample(logits, out.logprobs)
+        mask = self.control(self.seq.tokens) if self.control is not None else None
+        token, logprobs = self.sampler.sample(logits, out.logprobs, mask)
         self.seq.tokens.append(token)
         reason, stop_reason, delta, piece = self._advance(token)
         now = time.monotonic()

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engines.base import Admitted, ReferenceOutput
 from engines.config import ModelConfig
+from engines.controllers.run import ControlledRun, Segment
 from engines.embedded import resolve_model_source
 from engines.pipeline.budget import BudgetFull, KVBudget, NeverFits, tokens_for
 from engines.pipeline.choice import Choice
 from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, plan_stages
+from engines.pipeline.controlled import SegmentRow, StepHook, note_finish, segment_request
 from engines.pipeline.origin import Job, Origin, PipelineFailure
 from engines.pipeline.stages import RayStages, Stages
 from engines.tokens import prompt_char_limit, render_prompt
@@ -29,6 +33,7 @@ from protocols.internal import (
     Capabilities,
     ErrorEvent,
     Event,
+    FinalEvent,
     GenerateRequest,
     ModelInfo,
     Prompt,
@@ -78,13 +83,16 @@ class PipelineEngine:
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         vocab_size = parts.head_weight.shape[0]
+        self._controllers, self._hook = self._start_controllers(vocab_size)
         limit = self.args.max_model_len or min(tcfg.max_position_embeddings, 4096)
         self._info = ModelInfo(
             name=config.name, root=self.model_path, max_model_len=limit, vocab_size=vocab_size,
             eos_token_id=self.tokenizer.eos_token_id, engine=config.engine, dtype=self.args.dtype,
-            capabilities=Capabilities(controllers="none", max_logprobs=MAX_LOGPROBS,
+            capabilities=Capabilities(controllers="none" if self._hook is None else "mask",
+                                      max_logprobs=MAX_LOGPROBS,
                                       max_prompt_logprobs=MAX_LOGPROBS, max_n=MAX_N,
                                       best_of_above_n=False, priority=False),
+            controllers=self._controllers.tags() if self._controllers is not None else (),
             max_prompt_chars=prompt_char_limit(self.tokenizer, limit))
         self._slots = asyncio.Semaphore(self.args.max_sequences)
         widest = max([self.args.origin_layers] + [end - start for start, end in self.ranges])
@@ -92,6 +100,24 @@ class PipelineEngine:
                                              self.dtype.itemsize), self.args.max_sequences)
         self.live = 0  # sequences in the pipe now
         self._reference = None
+
+    def _start_controllers(self, vocab_size: int) -> tuple[Any, StepHook | None]:
+        """The controller runtime beside this replica and the origin's hook into it."""
+        options = self.config.controllers
+        if options is None:
+            return None, None
+        from engines.controllers.runtime import Limits
+        from engines.controllers.service import attach_runtime
+
+        limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
+        attached = attach_runtime(self.model_path, vocab_size, options.custom, limits)
+        try:
+            hook = StepHook(attached.prefix, vocab_size, self.tokenizer.eos_token_id)
+        except BaseException:
+            attached.close()
+            raise
+        weakref.finalize(self, _close_all, hook, attached)
+        return attached, hook
 
     # --- Engine -----------------------------------------------------------------------
 
@@ -108,6 +134,15 @@ class PipelineEngine:
         return self.tokenizer.decode(list(token_ids))
 
     async def stream(self, request: GenerateRequest, admitted: Admitted) -> AsyncIterator[Event]:
+        if request.controller is not None and self._controllers is not None:
+            run = ControlledRun(request, admitted.prompt_ids, admitted.max_tokens,
+                                self._controllers.side, self.tokenizer,
+                                self.tokenizer.eos_token_id,
+                                functools.partial(self._segment, request))
+            async with contextlib.aclosing(run.stream()) as events:
+                async for event in events:
+                    yield event
+            return
         started = time.monotonic()
         n = request.sampling.n
         try:
@@ -154,15 +189,40 @@ class PipelineEngine:
                 if isinstance(event, ErrorEvent):
                     return
 
+    async def _segment(self, request: GenerateRequest, ids: list[int], max_tokens: int,
+                       binding: dict, segment: Segment) -> AsyncIterator[Event]:
+        """One segment of a controlled request: a sequence from ``ids`` whose every step the
+        hook masks (engines/pipeline/controlled.py); how it ended goes into ``segment``."""
+        assert self._hook is not None
+        row = SegmentRow(binding["seq"], binding["req_id"], reported=len(ids))
+        admitted = Admitted(prompt_ids=list(ids), max_tokens=max_tokens)
+        control = functools.partial(self._hook.step, row)
+        try:
+            async with self.kv_budget.reserve(len(ids) + max_tokens):
+                events = self._choice(segment_request(request, self.tokenizer.eos_token_id),
+                                      admitted, 0, time.monotonic(), None, control)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if isinstance(event, FinalEvent):
+                            note_finish(segment, event)
+                        yield event
+        except NeverFits as exc:
+            yield ErrorEvent(kind="validation", message=str(exc), param="max_tokens")
+        except BudgetFull as exc:
+            yield ErrorEvent(kind="overloaded", message=f"{exc}; retry later")
+
     # --- one choice ---------------------------------------------------------------------
 
     async def _choice(self, request: GenerateRequest, admitted: Admitted, index: int,
-                      started: float, prompt_out: asyncio.Event | None) -> AsyncIterator[Event]:
+                      started: float, prompt_out: asyncio.Event | None,
+                      control: Callable[[list[int]], Any] | None = None
+                      ) -> AsyncIterator[Event]:
         out = request.output
         want_prompt = index == 0 and (out.echo or out.prompt_logprobs is not None)
         waiting = time.monotonic()
         async with self._slots:
-            choice = Choice(self, request, admitted, index, started, time.monotonic() - waiting)
+            choice = Choice(self, request, admitted, index, started, time.monotonic() - waiting,
+                            control)
             self.live += 1
             try:  # the origin frees the caches however this ends (a disconnect, a deadline)
                 steps = self.origin.generate(Job(choice.seq, choice.step, every=want_prompt))
@@ -246,3 +306,11 @@ def _eos_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
     except OSError:  # no generation_config.json
         pass
     return frozenset(ids)
+
+
+def _close_all(*parts: Any) -> None:
+    for part in parts:
+        try:
+            part.close()
+        except Exception as exc:  # at exit: whatever is left is the OS's to clean up
+            log.debug("closing %s: %s", type(part).__name__, exc)

@@ -50,8 +50,11 @@ class Sampler:
         seed = sampling.seed + seed_offset if sampling.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: Any, top_k_logprobs: int | None) -> tuple[int, StepLogprobs | None]:
-        """The next token for ``logits`` (``[vocab]`` float32) and, when asked, its logprobs."""
+    def sample(self, logits: Any, top_k_logprobs: int | None,
+               mask: Any = None) -> tuple[int, StepLogprobs | None]:
+        """The next token for ``logits`` (``[vocab]`` float32) and, when asked, its logprobs.
+        ``mask``: a controller's additive row (0 / -inf), applied with the logit bias, as
+        vLLM applies logits processors; the reported logprobs stay the model's."""
         import torch
 
         s = self.s
@@ -60,6 +63,8 @@ class Sampler:
         x = logits.clone()
         if self.bias is not None:
             x += self.bias
+        if mask is not None:
+            x += mask[: self.vocab_size]
         if self.generated < s.min_tokens and len(self.blocked):
             x[self.blocked] = -float("inf")
         if s.repetition_penalty != 1.0:

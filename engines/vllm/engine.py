@@ -9,7 +9,6 @@ host's (``engines.host``); ``engines.vllm.translate`` turns outputs into events.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -18,7 +17,6 @@ from typing import Any
 
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
-from engines.controllers.messages import TagList, read
 from engines.controllers.run import ControlledRun, Segment
 from engines.embedded import resolve_model_source
 from engines.reaper import start_reaper
@@ -30,7 +28,6 @@ from engines.vllm.logit_bias import PROCESSOR as BIAS_PROCESSOR
 from engines.vllm.translate import Translator
 from protocols.internal import (
     Capabilities,
-    ControllerTag,
     ErrorEvent,
     Event,
     GenerateRequest,
@@ -87,26 +84,16 @@ class VLLMEngine:
                                       max_logprobs=max_logprobs,
                                       max_prompt_logprobs=max_logprobs,
                                       best_of_above_n=False, priority=self._priority),
-            controllers=self._controller_tags(),
+            controllers=self._runtime.tags() if self._runtime is not None else (),
             max_prompt_chars=prompt_char_limit(self._tokenizer, model_config.max_model_len),
         )
-
-    def _controller_tags(self) -> tuple[ControllerTag, ...]:
-        """The runtime's own tag list (it is the authority on what it hosts)."""
-        if self._side is None:
-            return ()
-        answer = self._side.request("get_tags", timeout=30).result(timeout=30)
-        return tuple(ControllerTag(tag=t.tag, module_id=t.module_id)
-                     for t in read(answer, TagList).tags)
 
     def _start_controllers(self, options: Controllers, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The shm objects, the runtime beside this replica, and the hook in vLLM's args."""
         from transformers import AutoConfig
 
-        from engines.controllers.channels import SideClient
         from engines.controllers.runtime import Limits
-        from engines.controllers.service import start_runtime
-        from engines.controllers.shm import ChannelObjects
+        from engines.controllers.service import attach_runtime
 
         if int(kwargs.get("tensor_parallel_size") or 1) > 1 or \
                 int(kwargs.get("pipeline_parallel_size") or 1) > 1:
@@ -116,19 +103,12 @@ class VLLMEngine:
         if kwargs.get("async_scheduling"):
             raise ValueError(f"model {self.config.name!r}: controllers need async_scheduling "
                              "off (the hook reads each step's tokens before the forward pass)")
-        # POSIX names are per host: the pid and a random part keep replicas apart.
-        prefix = f"/llmgw-{os.getpid()}-{os.urandom(3).hex()}-"
-        objects = ChannelObjects(prefix)
-        try:
-            vocab = int(AutoConfig.from_pretrained(self.model_path).vocab_size)
-            limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
-            runtime = start_runtime(prefix, self.model_path, vocab, options.custom, limits)
-            side = SideClient(prefix, create=False)
-        except BaseException:
-            objects.close()
-            raise
-        self._side, self._runtime = side, runtime
-        weakref.finalize(self, _close_controllers, side, runtime, objects)
+        vocab = int(AutoConfig.from_pretrained(self.model_path).vocab_size)
+        limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
+        attached = attach_runtime(self.model_path, vocab, options.custom, limits)
+        self._side, self._runtime = attached.side, attached
+        weakref.finalize(self, attached.close)
+        prefix = attached.prefix
         processors = list(kwargs.get("logits_processors") or [])
         extra = dict(kwargs.get("additional_config") or {})
         extra["aici_prefix"] = prefix
@@ -254,11 +234,3 @@ class VLLMEngine:
             logprobs=[step[t].logprob for step, t in zip(choice.logprobs, choice.token_ids,
                                                          strict=True)],
             prompt_token_ids=list(final.prompt_token_ids))
-
-
-def _close_controllers(side: Any, runtime: Any, objects: Any) -> None:
-    for part in (side, runtime, objects):
-        try:
-            part.close()
-        except Exception as exc:  # at exit: whatever is left is the OS's to clean up
-            log.debug("closing the controller runtime: %s", exc)

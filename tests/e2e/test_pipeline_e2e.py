@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -54,6 +55,24 @@ def test_openai_sdk_greedy_equals_the_unsplit_model(pipeline_url, reference):
     chat = client.chat.completions.create(model=PIPELINE_MODEL, max_tokens=8, temperature=0,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_controllers_on_the_pipeline_kind_with_the_openai_sdk_and_tgi(pipeline_url, http):
+    """A grammar (llguidance) on the split model through the replica's own controller runtime,
+    from OpenAI's extra body and from TGI's ``grammar`` parameter; oracle: the grammar."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{pipeline_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    grammar = {"grammar": {"grammars": [{"lark_grammar": 'start: "Paris is " /[a-z]{3,8}/'}]}}
+    out = client.completions.create(model=PIPELINE_MODEL, prompt=PROMPT, max_tokens=16,
+                                    temperature=0, extra_body={"controller": "llguidance",
+                                                               "controller_arg": grammar})
+    assert re.fullmatch(r"Paris is [a-z]{3,8}", out.choices[0].text), out.choices[0].text
+    assert out.choices[0].finish_reason == "stop"
+    tgi = http.post("/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 12, "grammar": {"type": "regex", "value": "[0-9]{2,4}"}}})
+    assert tgi.status_code == 200, tgi.text
+    assert re.fullmatch(r"[0-9]{2,4}", tgi.json()["generated_text"]), tgi.json()
 
 
 async def test_lmtp_generate_and_score(pipeline_url, reference):

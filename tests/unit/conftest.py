@@ -5,6 +5,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
+from tests.pipeline_models import build_tiny
 
 
 @pytest.fixture
@@ -18,3 +19,12 @@ async def client(engine):
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random-weight Llama (6 layers) with the embedded model's tokenizer, built once."""
+    from engines.embedded import prepare_embedded_model
+
+    return build_tiny("llama", tmp_path_factory.mktemp("tiny"),
+                      prepare_embedded_model(progress=False))

@@ -282,11 +282,15 @@ async def test_closing_after_the_last_final_event_is_no_abort():
     assert (stats.active, stats.aborted) == (0, 0)
 
 
-def test_controllers_default_on_only_where_the_kind_runs_them():
+def test_controllers_default_on_only_where_the_kind_runs_them(monkeypatch):
     from engines.config import Controllers
 
     assert ModelConfig(name="v").controllers == Controllers()
-    assert ModelConfig(name="p", engine="pipeline").controllers is None
+    assert ModelConfig(name="p", engine="pipeline").controllers == Controllers()
     assert ModelConfig(name="off", controllers=None).controllers is None
-    with pytest.raises(ValueError, match="the pipeline engine runs no controllers"):
-        ModelConfig(name="p", engine="pipeline", controllers=Controllers())
+    monkeypatch.setitem(ENGINE_KINDS, "plain", EngineKind(
+        implementation="tests.unit.test_engine_host:_FromConfig", concurrency_arg="batch",
+        default_concurrency=1))
+    assert ModelConfig(name="n", engine="plain").controllers is None
+    with pytest.raises(ValueError, match="the plain engine runs no controllers"):
+        ModelConfig(name="n", engine="plain", controllers=Controllers())

@@ -16,7 +16,6 @@ from engines.pipeline.loading import load_layers
 from engines.pipeline.stage import StageCore
 from engines.pipeline.stages import LocalStages
 from protocols.internal import ErrorEvent, FinalEvent, GenerateRequest, Sampling, TextPrompt
-from tests.pipeline_models import build_tiny
 
 
 async def test_reservations_wait_in_order_and_give_back():
@@ -64,13 +63,6 @@ def test_tokens_for_counts_keys_and_values_of_every_layer():
     # 2 (keys, values) x 3 heads x 64 x 4 bytes x 10 layers = 15360 bytes a token
     assert tokens_for(1.0, Config, 10, 4) == (1 << 30) // 15360
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from engines.embedded import prepare_embedded_model
-
-    return build_tiny("llama", tmp_path_factory.mktemp("tiny"),
-                      prepare_embedded_model(progress=False))
 
 
 class Watched(LocalStages):

@@ -29,24 +29,14 @@ from protocols.internal import (
     TextPrompt,
     TokenEvent,
 )
-from tests.pipeline_models import build_tiny
+from tests.pipeline_models import local_pipeline
 
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from engines.embedded import prepare_embedded_model
-
-    return build_tiny("llama", tmp_path_factory.mktemp("tiny"), prepare_embedded_model(progress=False))
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_dir) -> PipelineEngine:
-    config = ModelConfig(name="tiny", engine="pipeline", source=str(tiny_dir),
-                         engine_args={"stages": [[1, 3], [3, 6]], "prefill_chunk": 3})
-    cores = [StageCore(load_layers(tiny_dir, a, b), a, b) for a, b in [(1, 3), (3, 6)]]
-    return PipelineEngine(config, stages=LocalStages(cores))
+    return local_pipeline(tiny_dir, prefill_chunk=3)
 
 
 def _req(rid: str, **sampling) -> GenerateRequest:

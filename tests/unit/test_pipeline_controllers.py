@@ -1,0 +1,92 @@
+"""Controllers on the pipeline kind: the tiny split model with in-process stages behind the
+real EngineHost and a real controller runtime (threads of this process, over shared memory).
+Oracles: the grammar itself (``re.fullmatch``), and the unsplit HF model's own logits for which
+of the grammar's two words a greedy pick must take."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from engines.host import EngineHost
+from engines.pipeline.engine import PipelineEngine
+from protocols.internal import (
+    ControllerSpec,
+    ErrorEvent,
+    FinalEvent,
+    GenerateRequest,
+    Sampling,
+    TextPrompt,
+    TokenEvent,
+)
+from tests.pipeline_models import local_pipeline
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir) -> PipelineEngine:
+    return local_pipeline(tiny_dir)
+
+
+def _grammar(lark: str) -> ControllerSpec:
+    return ControllerSpec(module="llguidance",
+                          arg=json.dumps({"grammar": {"grammars": [{"lark_grammar": lark}]}}))
+
+
+async def _run(engine, controller: ControllerSpec, max_tokens: int = 12, prompt: str = PROMPT):
+    request = GenerateRequest(request_id=f"c-{id(controller)}", model="tiny",
+                              prompt=TextPrompt(text=prompt),
+                              sampling=Sampling(temperature=0, max_tokens=max_tokens),
+                              controller=controller)
+    events = [e async for e in EngineHost(engine).generate(request)]
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent | FinalEvent))
+    return events, text
+
+
+def test_the_kind_says_it_runs_controllers(engine):
+    info = engine.model_info()
+    assert info.capabilities.controllers == "mask"
+    assert "llguidance" in {tag.tag for tag in info.controllers}
+
+
+async def test_a_grammar_bounds_what_a_random_model_writes(engine):
+    events, text = await _run(engine, _grammar("start: /[a-z]{2,5}/"))
+    assert not [e for e in events if isinstance(e, ErrorEvent)], events
+    assert re.fullmatch(r"[a-z]{2,5}", text), text
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.finish_reason == "eos"  # the grammar ended
+
+
+async def test_text_the_grammar_forces_is_appended_without_sampling(engine):
+    events, text = await _run(engine, _grammar('start: "The answer is " /[0-9]/'))
+    assert re.fullmatch(r"The answer is [0-9]", text), text
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.usage.forced_tokens >= 1
+    assert final.usage.completion_tokens == len([e for e in events if isinstance(e, TokenEvent)])
+
+
+async def test_a_greedy_choice_between_two_words_is_the_unsplit_models(engine, tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    words = [w for w in (" cat", " dog", " sun", " sea", " red", " blue")
+             if len(tokenizer.encode(w, add_special_tokens=False)) == 1][:2]
+    assert len(words) == 2, "the test needs two single-token words"
+    ids = [tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32)
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(prompt).logits[0, -1]
+    expected = words[int(torch.argmax(logits[ids]))]
+    _, text = await _run(engine, _grammar(f'start: "{words[0]}" | "{words[1]}"'), max_tokens=4)
+    assert text == expected
+
+
+async def test_an_unknown_controller_is_a_validation_error(engine):
+    events, _ = await _run(engine, ControllerSpec(module="no-such-controller"))
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent)
+    assert events[0].kind == "validation" and events[0].param == "controller"
