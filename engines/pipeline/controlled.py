@@ -3,8 +3,9 @@ kind").
 
 A controlled request runs as segments, driven by the same frontend as on the ``vllm`` kind
 (``engines.controllers.run.ControlledRun``): each segment is one sequence through the pipe,
-whose every step asks the runtime (:class:`StepHook`, on the origin's thread) with the token it
-sampled last, its binding on the first step, and for its mask. A step that ends the segment
+whose every step asks the runtime (:class:`StepHook`, on the origin's thread, once for every
+controlled sequence of a micro-batch) with the token it sampled last, its binding on the first
+step, and for its mask. A step that ends the segment
 (the controller stopped, failed or asks for an edit) allows only EOS, which ends the sequence;
 the frontend then asks the runtime what comes next and starts the next segment from the output
 so far.
@@ -36,17 +37,22 @@ CHANNEL_TIMEOUT_S = 5.0
 @dataclass
 class SegmentRow:
     """One segment as the hook tracks it: its sequence id and controller (the frontend's
-    binding), how many of its tokens the runtime has heard of, whether it is bound yet."""
+    binding), how many of its tokens the runtime has heard of, whether it is bound yet, and
+    this step's mask once asked (:meth:`StepHook.ask`)."""
 
     seq: int
     req_id: str
     reported: int  # tokens of the sequence (prompt and output) the controller has
     bound: bool = False
+    asked: bool = False  # ``mask`` is this step's
+    mask: Any = None
 
 
 class StepHook:
-    """The engine end of the runtime's main channel for a pipeline replica. ``step`` is
-    called on the origin's thread only (the main channel carries one command at a time)."""
+    """The engine end of the runtime's main channel for a pipeline replica, used on the
+    origin's thread only (the channel carries one command at a time): before a micro-batch's
+    sequences sample, :meth:`ask` asks for every controlled one of them in one round trip, as
+    vLLM's hook does for its batch; :meth:`mask` hands a row its mask as it samples."""
 
     def __init__(self, prefix: str, vocab_size: int, eos: int) -> None:
         self._main = MainClient(prefix, create=False)
@@ -58,40 +64,72 @@ class StepHook:
         self._main.close()
         self._bias.close()
 
-    def step(self, row: SegmentRow, tokens: list[int]) -> Any:
-        """The additive bias (``[vocab]`` float32: 0 allowed, -inf banned) for this step of
-        ``row`` whose sequence is ``tokens`` now, or None when it is unconstrained."""
+    def mask(self, row: SegmentRow, tokens: list[int]) -> Any:
+        """``row``'s additive bias for this step (``[vocab]`` float32: 0 allowed, -inf
+        banned; None when unconstrained), its sequence being ``tokens`` now."""
+        if not row.asked:  # not in a micro-batch's ask (a step the origin took alone)
+            self.ask([(row, tokens)])
+        row.asked = False
+        return row.mask
+
+    def ask(self, rows: list[tuple[SegmentRow, list[int]]]) -> None:
+        """One ``step`` for ``rows`` (each with its sequence's tokens now): the tokens each
+        sampled since it was last told, the bindings of new ones, and every row's mask."""
+        for row, _ in rows:
+            row.asked, row.mask = True, None
         if self._dead:
-            return self._only_eos()
-        new, row.reported = tokens[row.reported:], len(tokens)
-        command = {"post_ops": [PostOp(id=row.seq, tokens=new, backtrack=0)] if new else [],
-                   "pre_ops": [] if row.bound else [PreOp(id=row.seq, req_id=row.req_id)],
-                   "freed": [], "mid_ops": [MidOp(id=row.seq)], "mask_format": "bits"}
-        row.bound = True
-        try:
-            answer = read(self._main.call("step", CHANNEL_TIMEOUT_S, **command), StepAnswer)
-        except ChannelError as exc:
-            self._dead = f"controller runtime unreachable: {exc}"
-            log.error("%s; ending every controlled sequence", self._dead)
-            return self._only_eos()
-        except (RuntimeReplyError, msgspec.ValidationError) as exc:
-            log.error("controller runtime refused a step (%s); ending its sequence", exc)
-            return self._only_eos()
-        if row.seq in answer.ends():
-            return self._only_eos()
-        if answer.mid.ids != [row.seq] or 0 in answer.mid.unmasked:
+            return self._end([row for row, _ in rows])
+        answer = self._step(rows)
+        if answer is None:
+            return self._end([row for row, _ in rows])
+        ends = answer.ends()
+        self._end([row for row, _ in rows if row.seq in ends])
+        ids = answer.mid.ids if isinstance(answer.mid.ids, list) else []
+        unmasked = set(answer.mid.unmasked)
+        masked = [k for k in range(len(ids)) if k not in unmasked]
+        if not masked:
             return None
         import torch
 
-        bias = bits_to_bias(self._bias.words(1, self._vocab))[0, :self._vocab]
-        return torch.from_numpy(bias)
+        bias = bits_to_bias(self._bias.words(len(ids), self._vocab))[:, :self._vocab]
+        by_seq = {row.seq: row for row, _ in rows}
+        for k in masked:
+            row = by_seq.get(ids[k])
+            if row is not None and row.seq not in ends:
+                row.mask = torch.from_numpy(bias[k])
+        return None
 
-    def _only_eos(self) -> Any:
+    def _step(self, rows: list[tuple[SegmentRow, list[int]]]) -> StepAnswer | None:
+        post_ops, pre_ops = [], []
+        for row, tokens in rows:
+            if not row.bound:
+                pre_ops.append(PreOp(id=row.seq, req_id=row.req_id))
+                row.bound = True
+            new, row.reported = tokens[row.reported:], len(tokens)
+            if new:
+                post_ops.append(PostOp(id=row.seq, tokens=new, backtrack=0))
+        try:
+            data = self._main.call("step", CHANNEL_TIMEOUT_S, post_ops=post_ops, pre_ops=pre_ops,
+                                   freed=[], mid_ops=[MidOp(id=row.seq) for row, _ in rows],
+                                   mask_format="bits")
+            return read(data, StepAnswer)
+        except ChannelError as exc:
+            self._dead = f"controller runtime unreachable: {exc}"
+            log.error("%s; ending every controlled sequence", self._dead)
+        except (RuntimeReplyError, msgspec.ValidationError) as exc:
+            log.error("controller runtime refused a step (%s); ending its sequences", exc)
+        return None
+
+    def _end(self, rows: list[SegmentRow]) -> None:
+        """Only EOS for these rows this step: their sequences end."""
+        if not rows:
+            return
         import torch
 
-        bias = torch.full((self._vocab,), float("-inf"))
-        bias[self._eos] = 0.0
-        return bias
+        only_eos = torch.full((self._vocab,), float("-inf"))
+        only_eos[self._eos] = 0.0
+        for row in rows:
+            row.mask = only_eos
 
 
 def segment_request(request: GenerateRequest, eos: int) -> GenerateRequest:

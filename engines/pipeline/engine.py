@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from engines.base import Admitted, ReferenceOutput
@@ -73,17 +73,18 @@ class PipelineEngine:
                             self.args.attn_implementation, hf_config).to(self.args.device)
         self.stages = stages or RayStages(self.model_path, self.ranges, self.args,
                                           label=f"{config.name}")
+        vocab_size = parts.head_weight.shape[0]
+        self._controllers, self._hook = self._start_controllers(vocab_size)
         self.origin = Origin(parts, self.args.origin_layers, self.stages,
                              prefill_chunk=self.args.prefill_chunk,
                              max_restarts=self.args.max_restarts, check_digest=self.args.digest,
                              device=self.args.device, threads=self.args.origin_threads,
                              step_timeout_s=self.args.step_timeout_s,
                              max_batch_tokens=self.args.max_batch_tokens,
-                             batches_in_flight=self.args.batches_in_flight)
+                             batches_in_flight=self.args.batches_in_flight,
+                             before_steps=self._hook.ask if self._hook is not None else None)
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
-        vocab_size = parts.head_weight.shape[0]
-        self._controllers, self._hook = self._start_controllers(vocab_size)
         limit = self.args.max_model_len or min(tcfg.max_position_embeddings, 4096)
         self._info = ModelInfo(
             name=config.name, root=self.model_path, max_model_len=limit, vocab_size=vocab_size,
@@ -196,11 +197,10 @@ class PipelineEngine:
         assert self._hook is not None
         row = SegmentRow(binding["seq"], binding["req_id"], reported=len(ids))
         admitted = Admitted(prompt_ids=list(ids), max_tokens=max_tokens)
-        control = functools.partial(self._hook.step, row)
         try:
             async with self.kv_budget.reserve(len(ids) + max_tokens):
                 events = self._choice(segment_request(request, self.tokenizer.eos_token_id),
-                                      admitted, 0, time.monotonic(), None, control)
+                                      admitted, 0, time.monotonic(), None, row)
                 async with contextlib.aclosing(events):
                     async for event in events:
                         if isinstance(event, FinalEvent):
@@ -215,17 +215,19 @@ class PipelineEngine:
 
     async def _choice(self, request: GenerateRequest, admitted: Admitted, index: int,
                       started: float, prompt_out: asyncio.Event | None,
-                      control: Callable[[list[int]], Any] | None = None
-                      ) -> AsyncIterator[Event]:
+                      row: SegmentRow | None = None) -> AsyncIterator[Event]:
         out = request.output
         want_prompt = index == 0 and (out.echo or out.prompt_logprobs is not None)
         waiting = time.monotonic()
         async with self._slots:
+            control = None if row is None or self._hook is None else \
+                functools.partial(self._hook.mask, row)
             choice = Choice(self, request, admitted, index, started, time.monotonic() - waiting,
                             control)
             self.live += 1
             try:  # the origin frees the caches however this ends (a disconnect, a deadline)
-                steps = self.origin.generate(Job(choice.seq, choice.step, every=want_prompt))
+                steps = self.origin.generate(Job(choice.seq, choice.step, every=want_prompt,
+                                                 control=row))
                 async with contextlib.aclosing(steps):
                     async for events in steps:
                         for event in events:

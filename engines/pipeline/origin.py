@@ -77,6 +77,7 @@ class Job:
     stepped: bool = False
     parked: bool = False  # its outbox is full: not waiting until the reader takes one
     closed: bool = False
+    control: Any = None  # a controlled sequence's row, for the origin's ``before_steps``
 
 
 @dataclass
@@ -100,8 +101,12 @@ class Origin:
     def __init__(self, parts: OriginParts, origin_layers: int, stages: Stages, *,
                  prefill_chunk: int, max_restarts: int, check_digest: bool, device: str = "cpu",
                  threads: int | None = None, step_timeout_s: float = 60.0,
-                 max_batch_tokens: int = 256, batches_in_flight: int | None = None):
+                 max_batch_tokens: int = 256, batches_in_flight: int | None = None,
+                 before_steps: Callable[[list[tuple[Any, list[int]]]], None] | None = None):
         self.parts = parts
+        # Called on the origin thread with (control, tokens) of the micro-batch's controlled
+        # sequences about to sample, before any of them does (the engine's controller hook).
+        self.before_steps = before_steps
         self.own = (StageCore(parts.layers, 0, origin_layers, device=device, host_hops=False)
                     if parts.layers is not None else None)
         self.step_timeout_s = step_timeout_s
@@ -325,7 +330,19 @@ class Origin:
         import torch
 
         logits = self.logits(torch.cat([last for _, last in done], dim=1))
+        self._before_steps(done)
         return [(job, self._step(job, row)) for (job, _), row in zip(done, logits, strict=True)]
+
+    def _before_steps(self, done: list[tuple[Job, Any]]) -> None:
+        """The controlled sequences about to sample, to ``before_steps`` at once (one round
+        trip to the controllers for the micro-batch, engines/pipeline/controlled.py)."""
+        controlled = [(job.control, job.seq.tokens) for job, _ in done if job.control is not None]
+        if not controlled or self.before_steps is None:
+            return
+        try:
+            self.before_steps(controlled)
+        except Exception:  # each sequence's own step asks again, alone
+            log.exception("asking the controllers for micro-batch failed")
 
     def _step(self, job: Job, logits: Any) -> Any:
         prompt = job.prompt_hidden if job.every and not job.stepped else None

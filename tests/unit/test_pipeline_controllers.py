@@ -5,6 +5,7 @@ of the grammar's two words a greedy pick must take."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -38,7 +39,7 @@ def _grammar(lark: str) -> ControllerSpec:
 
 
 async def _run(engine, controller: ControllerSpec, max_tokens: int = 12, prompt: str = PROMPT):
-    request = GenerateRequest(request_id=f"c-{id(controller)}", model="tiny",
+    request = GenerateRequest(request_id=f"c-{id(controller)}-{prompt}", model="tiny",
                               prompt=TextPrompt(text=prompt),
                               sampling=Sampling(temperature=0, max_tokens=max_tokens),
                               controller=controller)
@@ -84,6 +85,20 @@ async def test_a_greedy_choice_between_two_words_is_the_unsplit_models(engine, t
     expected = words[int(torch.argmax(logits[ids]))]
     _, text = await _run(engine, _grammar(f'start: "{words[0]}" | "{words[1]}"'), max_tokens=4)
     assert text == expected
+
+
+async def test_concurrent_controlled_sequences_share_one_round_trip_per_micro_batch(
+        engine, monkeypatch):
+    main = engine._hook._main
+    calls = []
+    real = main.call
+    monkeypatch.setattr(main, "call", lambda *a, **k: calls.append(len(k["mid_ops"])) or real(*a, **k))
+    runs = await asyncio.gather(*(_run(engine, _grammar("start: /[a-z]{6,8}/"), prompt=p)
+                                  for p in ("The capital of France is", "Hello", "One two",
+                                            "Paris")))
+    for events, text in runs:
+        assert re.fullmatch(r"[a-z]{6,8}", text), (text, events[-1])
+    assert sum(calls) > len(calls)  # some steps asked for several sequences at once
 
 
 async def test_an_unknown_controller_is_a_validation_error(engine):
