@@ -6,12 +6,15 @@ Measures greedy decoding (``ignore_eos``) of the same prompt as tokens/s and per
   ``hf-batch``: ``generate`` over a batch of each concurrency above 1;
 - ``pipeline-N``: the ``pipeline`` engine kind with N stage actors (plus the origin's first
   layer) on a local Ray, through ``EngineHost`` (no HTTP), at each concurrency;
-- ``vllm``: vLLM's ``AsyncLLM`` in this process, same dtype, at each concurrency.
+- ``vllm``: vLLM's ``AsyncLLM`` in this process, same dtype, at each concurrency;
+- with ``--controllers none regex``, every pipeline and vLLM target also with each request
+  under that controller (``+none``: the no-op controller, the controller path's own cost;
+  ``+regex``: an llguidance regex of lowercase words), measured in the same rounds.
 
 Usage::
 
     python bench/pipeline.py [--tokens 64] [--rounds 3] [--stages 1 2 4] [--concurrency 1 4 16]
-                             [--dtype float32] [--threads 1]
+                             [--dtype float32] [--threads 1] [--controllers none regex]
 
 Targets are measured round-robin, ``--rounds`` times, and medians reported: on a shared host the
 speed drifts by tens of percent within minutes, so only side-by-side numbers compare. vLLM sizes
@@ -92,14 +95,30 @@ class HF:
         return time.perf_counter() - start
 
 
-async def _drive(host, tokens: int, seqs: int, tag: str) -> tuple[float, list[float]]:
-    from protocols.internal import GenerateRequest, Sampling, TextPrompt, TokenEvent
+# What ``--controllers`` names: (module, arg). The grammar ends only after three snowmen, which
+# no greedy continuation here writes: the budget ends a request, as ``ignore_eos`` does for the
+# others.
+CONTROLLERS = {
+    "none": ("none", ""),
+    "regex": ("llguidance", json.dumps({"grammar": {"grammars": [
+        {"lark_grammar": 'start: /[a-z ,.]+/ "☃☃☃"'}]}})),
+}
+
+
+async def _drive(host, tokens: int, seqs: int, tag: str,
+                 controller: str | None = None) -> tuple[float, list[float], int]:
+    """``seqs`` concurrent requests of ``tokens`` each: the wall time, the gaps between
+    tokens, and the tokens received."""
+    from protocols.internal import ControllerSpec, GenerateRequest, Sampling, TextPrompt, TokenEvent
+
+    spec = None if controller is None else ControllerSpec(module=CONTROLLERS[controller][0],
+                                                          arg=CONTROLLERS[controller][1])
 
     async def one(i: int) -> list[float]:
         request = GenerateRequest(request_id=f"{tag}-{i}-{time.monotonic_ns()}", model="m",
                                   prompt=TextPrompt(text=PROMPT),
                                   sampling=Sampling(temperature=0, max_tokens=tokens,
-                                                    ignore_eos=True))
+                                                    ignore_eos=True), controller=spec)
         stamps = [time.perf_counter() async for e in host.generate(request)
                   if isinstance(e, TokenEvent)]
         assert len(stamps) == tokens, f"{tag}: {len(stamps)} tokens"
@@ -107,7 +126,7 @@ async def _drive(host, tokens: int, seqs: int, tag: str) -> tuple[float, list[fl
 
     start = time.perf_counter()
     steps = await asyncio.gather(*(one(i) for i in range(seqs)))
-    return time.perf_counter() - start, [s for seq in steps for s in seq]
+    return time.perf_counter() - start, [s for seq in steps for s in seq], seqs * tokens
 
 
 def _pipeline(stages: int, dtype: str, threads: int, extra: dict):
@@ -160,6 +179,8 @@ def run_all(args) -> list[dict]:
     async def rounds() -> None:
         for _, host in pipes.values():
             await _drive(host, 8, 1, "warm")
+            for controller in args.controllers:
+                await _drive(host, 8, 1, "warm", controller)
         hf.single(8)
         t = args.tokens
         for _ in range(args.rounds):
@@ -170,9 +191,11 @@ def run_all(args) -> list[dict]:
                     runs["hf-batch"].append((seqs, seqs * t, hf.batch(t, seqs), []))
             for key, (_, host) in pipes.items():
                 name = key if key == "vllm" else f"pipeline-{key}"
-                for seqs in args.concurrency:
-                    wall, steps = await _drive(host, t, seqs, name)
-                    runs.setdefault(name, []).append((seqs, seqs * t, wall, steps))
+                for controller in (None, *args.controllers):
+                    tagged = name if controller is None else f"{name}+{controller}"
+                    for seqs in args.concurrency:
+                        wall, steps, got = await _drive(host, t, seqs, tagged, controller)
+                        runs.setdefault(tagged, []).append((seqs, got, wall, steps))
 
     try:
         asyncio.run(rounds())
@@ -209,6 +232,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the HF process, the origin and each stage")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--controllers", nargs="*", default=[], choices=sorted(CONTROLLERS),
+                        help="also run each pipeline / vLLM target under these controllers")
     parser.add_argument("--engine-args", default="{}",
                         help="JSON: more engine_args for every pipeline (e.g. batches_in_flight)")
     args = parser.parse_args()

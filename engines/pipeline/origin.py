@@ -187,6 +187,7 @@ class Origin:
         self._jobs: set[Job] = set()
         self._waiting: deque[Job] = deque()
         self._in_flight: deque[_Batch] = deque()
+        self._finishing = 0  # micro-batches back from the stages, being sampled
         self._wake, self._landed = asyncio.Event(), asyncio.Event()
         context = contextvars.Context()
         self._tasks = [loop.create_task(self._guarded(self._launch), context=context),
@@ -214,7 +215,10 @@ class Origin:
             await self._wake.wait()
             self._wake.clear()
             while self._waiting and len(self._in_flight) < self.depth:
-                members = self._take()
+                members = self._take(decoding=len(self._jobs) >= _MIN_SHARE or
+                                     not (self._in_flight or self._finishing))
+                if not members:
+                    break
                 self.batches += 1
                 try:
                     result, dropped = await self.run(self._send, members, self.batches)
@@ -226,11 +230,14 @@ class Origin:
                 self._landed.set()
                 await self._restart_dropped(members, dropped)
 
-    def _take(self) -> list[_Member]:
+    def _take(self, decoding: bool = True) -> list[_Member]:
         """Waiting jobs for the next micro-batch, oldest first: a share of the running jobs
         (so ``depth`` micro-batches keep the pipe full, but no fewer than ``_MIN_SHARE``), each
         its next token or prompt chunk, within the token budget. A job with prompt left stays
-        waiting for the next one."""
+        waiting for the next one. Not ``decoding``: prompt chunks only (fewer than
+        ``_MIN_SHARE`` running, a decode step waits for the micro-batch in flight, so that
+        sequences that started apart still decode as one micro-batch; a prompt's chunks
+        still fill the pipe)."""
         running = len(self._jobs)
         share = running if running < _MIN_SHARE else -(-running // self.depth)
         budget, members = self.max_batch_tokens, []
@@ -238,6 +245,8 @@ class Origin:
             if len(members) == share or budget == 0:
                 break
             seq = job.seq
+            if not decoding and len(seq.tokens) - seq.sent <= 1:
+                continue
             end = min(len(seq.tokens), seq.sent + min(self.prefill_chunk, budget))
             members.append(_Member(job, job.epoch, seq.sent, end))
             budget -= end - seq.sent
@@ -282,12 +291,16 @@ class Origin:
                 continue
             self._in_flight.popleft()
             self._wake.set()  # the launcher may send others' tokens while these are sampled
+            self._finishing += 1  # (decode steps of few sequences wait for these: _take)
             try:
                 results = await self.run(self._finish, batch, hop)
             except Exception as exc:  # the head or a split: these jobs fail, others go on
                 log.exception("finishing micro-batch %d failed", hop.step)
                 failure = PipelineFailure(f"the origin failed: {type(exc).__name__}")
                 results = [(m.job, failure) for m in batch.members if self._current(m)]
+            finally:
+                self._finishing -= 1
+                self._wake.set()
             for job, item in results:
                 self._deliver(job, item)
                 if isinstance(item, tuple) and not item[1]:

@@ -107,6 +107,29 @@ async def test_mixed_lengths_together_give_each_sequence_its_own_run(tiny, stage
     assert all(core.cached() == {} for core in origin.stages.cores)
 
 
+async def test_few_sequences_that_started_apart_decode_as_one_micro_batch(tiny):
+    """With fewer running sequences than one micro-batch holds, a sequence that started later
+    joins the others' micro-batch instead of decoding in one of its own beside it (its steps
+    cost almost what the others' do: two micro-batches of 2 do the work of 4 for the speed of
+    2). Each still gets what it gets alone."""
+    kind, path = tiny
+    prompts, steps = _prompts(100)[:4], 24
+    alone = await _alone(path, RANGES[kind], prompts)
+    origin = _origin(path, RANGES[kind], InOrderStages)
+
+    async def later(i: int, prompt: list[int]):
+        await asyncio.sleep(0.01 * i)  # each arrives while the others decode
+        return await _run(origin, _greedy_job(f"s{i}", prompt, steps))
+
+    together = await asyncio.gather(*(later(i, p) for i, p in enumerate(prompts)))
+    for (tokens, _), (tokens_alone, _) in zip(together, alone, strict=True):
+        assert tokens[:DECODE] == tokens_alone
+    # Apart, each sequence would take a micro-batch per step (4 x 24); together about one per
+    # step, plus the prompts' chunks and the steps before the last one joined.
+    prefill = sum(-(-len(p) // 4) for p in prompts)
+    assert origin.batches < steps + prefill + 2 * steps // 3, origin.batches
+
+
 async def test_mixed_lengths_together_match_the_unsplit_model(tiny):
     from transformers import AutoModelForCausalLM
 
@@ -171,20 +194,23 @@ async def test_an_error_inside_a_stage_restarts_that_micro_batch_and_the_schedul
     prompts = _prompts(100)[:2]
     alone = await _alone(path, RANGES[kind], prompts)
     origin = _origin(path, RANGES[kind])
-    working, calls = origin.stages, 0
+    working, calls, broken = origin.stages, 0, ()
 
     class OnceBroken(LocalStages):
         def submit(self, hop, check):
-            nonlocal calls
+            nonlocal calls, broken
             calls += 1
             if calls == 3:
+                broken = hop.seq_ids
                 return Resolved(error=RuntimeError("out of memory"))
             return super().submit(hop, check)
 
     origin.stages = OnceBroken(working.cores)
     together = await asyncio.gather(*(_run(origin, _greedy_job(f"e{i}", p))
                                       for i, p in enumerate(prompts)))
-    assert [t for t, _ in together] == [t for t, _ in alone] and origin.restarts == 2
+    # every sequence of the failed micro-batch restarted (and only those)
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert broken and origin.restarts == len(broken)
 
     class Broken(LocalStages):
         def submit(self, hop, check):
