@@ -95,6 +95,8 @@ class _ActorHandle:
     def close(self) -> None:
         import ray
 
+        if not ray.is_initialized():  # Ray's shutdown ended the actor; a call now would
+            return  # start a new local Ray instance (at interpreter exit, say)
         try:
             ray.get(self._actor.close.remote(), timeout=10)
         except Exception as exc:  # gone already: the shm objects are the owner's to remove

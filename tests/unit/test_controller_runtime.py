@@ -606,3 +606,24 @@ def test_the_runtime_and_the_rest_api_apply_the_same_tag_rules():
         answer = _side(rt, {"op": "set_tags", "$auth": admin, "module_id": mod, "tags": bad})
         assert answer["type"] == "error" and answer["is_user_error"], bad
         assert answer["error"] == check_tags(bad, "root", True, {"scripted", "plain"})
+
+
+def test_closing_a_runtime_actor_once_ray_is_down_starts_no_ray_instance(monkeypatch):
+    """An engine's finalizer may close its runtime actor after Ray shut down (at interpreter
+    exit): any Ray call then would start a new local Ray instance just to say goodbye."""
+    import ray
+
+    from engines.controllers.service import _ActorHandle
+
+    called = []
+
+    class Actor:
+        class close:  # an actor method's shape: ``actor.close.remote()``
+            @staticmethod
+            def remote():
+                called.append("close")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "kill", lambda actor: called.append("kill"))
+    _ActorHandle(Actor()).close()
+    assert called == []
