@@ -49,8 +49,11 @@ def build_tiny(kind: str, target: Path, tokenizer_from: Path | None = None) -> P
     return target
 
 
-def local_pipeline(model_dir: Path, ranges=((1, 3), (3, 6)), **engine_args):
-    """A PipelineEngine named "tiny" over ``model_dir`` with its stages in this process."""
+def local_pipeline(model_dir: Path, ranges=((1, 3), (3, 6)), controllers=None, **engine_args):
+    """A PipelineEngine named "tiny" over ``model_dir`` with its stages in this process
+    (``controllers``: an ``engines.config.Controllers``; None: the kind's default)."""
+    import msgspec
+
     from engines.config import ModelConfig
     from engines.pipeline.engine import PipelineEngine
     from engines.pipeline.loading import load_layers
@@ -58,6 +61,7 @@ def local_pipeline(model_dir: Path, ranges=((1, 3), (3, 6)), **engine_args):
     from engines.pipeline.stages import LocalStages
 
     config = ModelConfig(name="tiny", engine="pipeline", source=str(model_dir),
-                         engine_args={"stages": [list(r) for r in ranges], **engine_args})
+                         engine_args={"stages": [list(r) for r in ranges], **engine_args},
+                         controllers=msgspec.UNSET if controllers is None else controllers)
     cores = [StageCore(load_layers(model_dir, a, b), a, b) for a, b in ranges]
     return PipelineEngine(config, stages=LocalStages(cores))

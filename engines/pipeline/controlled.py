@@ -132,14 +132,16 @@ class StepHook:
             row.mask = only_eos
 
 
-def segment_request(request: GenerateRequest, eos: int) -> GenerateRequest:
-    """A segment's request: EOS ends it whatever the model's own rule (the first stop id),
-    and only the controller or the budget ends the run (no ``min_tokens`` of its own)."""
+def segment_request(request: GenerateRequest, eos: int, seq: int) -> GenerateRequest:
+    """Segment ``seq``'s request: an id of its own (forked branches run at once, each its own
+    sequence in the pipe), EOS ends it whatever the model's own rule (the first stop id), and
+    only the controller or the budget ends the run (no ``min_tokens`` of its own)."""
     s = request.sampling
     stop_ids = (eos, *(t for t in s.stop_token_ids if t != eos))
     sampling = msgspec.structs.replace(s, ignore_eos=True, stop_token_ids=stop_ids,
                                        min_tokens=0)
-    return msgspec.structs.replace(request, sampling=sampling)
+    return msgspec.structs.replace(request, request_id=f"{request.request_id}-s{seq}",
+                                   sampling=sampling)
 
 
 def note_finish(segment: Segment, final: FinalEvent) -> None:

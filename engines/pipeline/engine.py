@@ -199,7 +199,8 @@ class PipelineEngine:
         admitted = Admitted(prompt_ids=list(ids), max_tokens=max_tokens)
         try:
             async with self.kv_budget.reserve(len(ids) + max_tokens):
-                events = self._choice(segment_request(request, self.tokenizer.eos_token_id),
+                events = self._choice(segment_request(request, self.tokenizer.eos_token_id,
+                                                      row.seq),
                                       admitted, 0, time.monotonic(), None, row)
                 async with contextlib.aclosing(events):
                     async for event in events:

@@ -56,14 +56,16 @@ def test_at_most_one_model_is_colocated():
 
 
 async def test_the_default_deadline_applies_unless_the_request_has_one():
+    # The deadline is 20 token delays, the whole answer 60: some tokens, then the cut, even
+    # on a loaded box (a deadline of 4 delays once saw no token at all before it).
     engine = FakeEngine(delay=0.05)
-    client = LocalEngineClient(engine, "m", request_timeout_s=0.2)
-    events = [e async for e in client.generate(_request("d"))]
+    client = LocalEngineClient(engine, "m", request_timeout_s=1.0)
+    events = [e async for e in client.generate(_request("d", max_tokens=60))]
     final = events[-1]
     assert isinstance(final, FinalEvent) and (final.finish_reason, final.stop_reason) == (
         "abort", "timeout")
-    assert 0 < sum(isinstance(e, TokenEvent) for e in events) < 40
-    assert engine.requests[-1].timeout_s == 0.2
+    assert 0 < sum(isinstance(e, TokenEvent) for e in events) < 60
+    assert engine.requests[-1].timeout_s == 1.0
     [e async for e in client.generate(_request("own", max_tokens=2, timeout_s=5.0))]
     assert engine.requests[-1].timeout_s == 5.0
 

@@ -12,13 +12,16 @@ import re
 import pytest
 import torch
 
+from engines.config import Controllers
 from engines.host import EngineHost
 from engines.pipeline.engine import PipelineEngine
 from protocols.internal import (
     ControllerSpec,
     ErrorEvent,
     FinalEvent,
+    ForkEvent,
     GenerateRequest,
+    OutputOptions,
     Sampling,
     TextPrompt,
     TokenEvent,
@@ -30,7 +33,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir) -> PipelineEngine:
-    return local_pipeline(tiny_dir)
+    return local_pipeline(tiny_dir, controllers=Controllers(
+        custom={"scripted": "tests.controllers:Scripted"}))
 
 
 def _grammar(lark: str) -> ControllerSpec:
@@ -99,6 +103,22 @@ async def test_concurrent_controlled_sequences_share_one_round_trip_per_micro_ba
     for events, text in runs:
         assert re.fullmatch(r"[a-z]{6,8}", text), (text, events[-1])
     assert sum(calls) > len(calls)  # some steps asked for several sequences at once
+
+
+async def test_forked_branches_each_run_as_a_sequence_of_their_own(engine):
+    """Two branches of one request decode at the same time, each its own sequence in the pipe
+    (one shared id would mix their caches); unmasked, each is the model's greedy output."""
+    reference = await engine.reference_greedy(PROMPT, 6)
+    request = GenerateRequest(request_id="fork", model="tiny", prompt=TextPrompt(text=PROMPT),
+                              sampling=Sampling(temperature=0, max_tokens=6),
+                              output=OutputOptions(splices="full"),
+                              controller=ControllerSpec(module="scripted", arg="forks=2"))
+    events = [e async for e in EngineHost(engine).generate(request)]
+    assert not [e for e in events if isinstance(e, ErrorEvent)], events
+    assert [e.index for e in events if isinstance(e, ForkEvent)] == [1]
+    for index in (0, 1):
+        tokens = [e.token_id for e in events if isinstance(e, TokenEvent) and e.index == index]
+        assert tokens == reference.token_ids, index
 
 
 async def test_an_unknown_controller_is_a_validation_error(engine):
