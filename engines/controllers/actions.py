@@ -53,7 +53,7 @@ class Edit:
 
 @dataclass(frozen=True)
 class RunSegment:
-    """Let the model sample: one vLLM request from the output so far."""
+    """Let the model sample: one engine request (a segment) from the output so far."""
 
 
 Action = Finish | Suspend | Fork | Edit | RunSegment

@@ -58,7 +58,7 @@ _seq_ids = itertools.count(1)
 
 @dataclass
 class Segment:
-    """What one vLLM request of the run ended with."""
+    """What one engine request (segment) of the run ended with, in vLLM's terms."""
 
     finish: str = ""  # vLLM's finish_reason: "stop" / "length" / "abort"
     stop_reason: str | int | None = None
@@ -182,7 +182,7 @@ class ControlledRun:
                     async for event in merged:
                         yield event
             finally:
-                if not handed:  # closed now, not when collected: its segment's vLLM request
+                if not handed:  # closed now, not when collected: its segment's engine request
                     await branch.aclose()  # is aborted and its controller released
         finally:
             # Every controller of the run: forks whose branch never started (a protocol that
@@ -265,7 +265,7 @@ class ControlledRun:
         return events
 
     async def _segment(self, state: AdvanceAnswer, ended: _Ended) -> AsyncIterator[Event]:
-        """One vLLM request from the output so far; ``ended.state`` is the controller's state
+        """One engine request from the output so far; ``ended.state`` is the controller's state
         after it (``state`` when nothing changed it), or None when the branch ended with it."""
         segment = Segment()
         binding = {"seq": next(_seq_ids), "req_id": self.req_id}

@@ -21,8 +21,8 @@ from engines.controllers.runtime import ControllerFactory, ControllerRuntime, Li
 from engines.controllers.shm import BiasMatrix, ChannelObjects
 from protocols.internal import ControllerTag
 
-__all__ = ["AttachedRuntime", "RuntimeService", "attach_runtime", "load_controllers",
-           "start_runtime"]
+__all__ = ["AttachedRuntime", "RuntimeService", "attach_runtime", "close_quietly",
+           "load_controllers", "start_runtime"]
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +122,17 @@ class AttachedRuntime:
                      for t in read(answer, TagList).tags)
 
     def close(self) -> None:
-        for part in self._parts:
-            try:
-                part.close()
-            except Exception as exc:  # at exit: whatever is left is the OS's to clean up
-                log.debug("closing the controller runtime: %s", exc)
+        close_quietly(*self._parts)
+
+
+def close_quietly(*parts: Any) -> None:
+    """Close each of ``parts`` in order, whatever the others do (an engine's finalizer, often
+    at interpreter exit: whatever is left is the OS's to clean up)."""
+    for part in parts:
+        try:
+            part.close()
+        except Exception as exc:
+            log.debug("closing %s: %s", type(part).__name__, exc)
 
 
 def attach_runtime(model_dir: str, vocab_size: int, custom: Mapping[str, str],

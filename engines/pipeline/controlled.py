@@ -57,8 +57,13 @@ class StepHook:
     def __init__(self, prefix: str, vocab_size: int, eos: int) -> None:
         self._main = MainClient(prefix, create=False)
         self._bias = BiasMatrix(prefix, create=False)
-        self._vocab, self._eos = vocab_size, eos
+        self._vocab = vocab_size
         self._dead = ""
+        import torch
+
+        # The mask of a row whose sequence ends this step (shared: the sampler only adds it).
+        self._only_eos = torch.full((vocab_size,), float("-inf"))
+        self._only_eos[eos] = 0.0
 
     def close(self) -> None:
         self._main.close()
@@ -122,14 +127,8 @@ class StepHook:
 
     def _end(self, rows: list[SegmentRow]) -> None:
         """Only EOS for these rows this step: their sequences end."""
-        if not rows:
-            return
-        import torch
-
-        only_eos = torch.full((self._vocab,), float("-inf"))
-        only_eos[self._eos] = 0.0
         for row in rows:
-            row.mask = only_eos
+            row.mask = self._only_eos
 
 
 def segment_request(request: GenerateRequest, eos: int, seq: int) -> GenerateRequest:

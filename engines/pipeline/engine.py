@@ -108,7 +108,7 @@ class PipelineEngine:
         if options is None:
             return None, None
         from engines.controllers.runtime import Limits
-        from engines.controllers.service import attach_runtime
+        from engines.controllers.service import attach_runtime, close_quietly
 
         limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
         attached = attach_runtime(self.model_path, vocab_size, options.custom, limits)
@@ -117,7 +117,7 @@ class PipelineEngine:
         except BaseException:
             attached.close()
             raise
-        weakref.finalize(self, _close_all, hook, attached)
+        weakref.finalize(self, close_quietly, hook, attached)
         return attached, hook
 
     # --- Engine -----------------------------------------------------------------------
@@ -310,10 +310,3 @@ def _eos_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
         pass
     return frozenset(ids)
 
-
-def _close_all(*parts: Any) -> None:
-    for part in parts:
-        try:
-            part.close()
-        except Exception as exc:  # at exit: whatever is left is the OS's to clean up
-            log.debug("closing %s: %s", type(part).__name__, exc)

@@ -13,7 +13,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
@@ -34,6 +34,9 @@ from protocols.internal import (
     ModelInfo,
     Prompt,
 )
+
+if TYPE_CHECKING:
+    from engines.controllers.service import AttachedRuntime
 
 __all__ = ["VLLMEngine"]
 
@@ -56,8 +59,7 @@ class VLLMEngine:
         self.model_path = resolve_model_source(config.source)
         kwargs = engine_args(config.engine_args)
         kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), BIAS_PROCESSOR]
-        self._side = None
-        self._runtime: Any = None
+        self._runtime: AttachedRuntime | None = None  # the controllers' (None: off)
         if config.controllers is not None:
             kwargs = self._start_controllers(config.controllers, kwargs)
         args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name], **kwargs)
@@ -80,7 +82,7 @@ class VLLMEngine:
             name=config.name, root=self.model_path, max_model_len=model_config.max_model_len,
             vocab_size=vocab_size, eos_token_id=self._tokenizer.eos_token_id, engine=config.engine,
             dtype=str(model_config.dtype).removeprefix("torch."),
-            capabilities=Capabilities(controllers="none" if self._side is None else "mask",
+            capabilities=Capabilities(controllers="none" if self._runtime is None else "mask",
                                       max_logprobs=max_logprobs,
                                       max_prompt_logprobs=max_logprobs,
                                       best_of_above_n=False, priority=self._priority),
@@ -106,7 +108,7 @@ class VLLMEngine:
         vocab = int(AutoConfig.from_pretrained(self.model_path).vocab_size)
         limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
         attached = attach_runtime(self.model_path, vocab, options.custom, limits)
-        self._side, self._runtime = attached.side, attached
+        self._runtime = attached
         weakref.finalize(self, attached.close)
         prefix = attached.prefix
         processors = list(kwargs.get("logits_processors") or [])
@@ -132,12 +134,13 @@ class VLLMEngine:
         return self._tokenizer.decode(list(token_ids))
 
     async def stream(self, request: GenerateRequest, admitted: Admitted) -> AsyncIterator[Event]:
-        if request.controller is not None and self._side is not None:
+        if request.controller is not None and self._runtime is not None:
             def segment(ids: list[int], max_tokens: int, binding: dict,
                         seg: Segment) -> AsyncIterator[Event]:
                 return self._generate(request, ids, max_tokens, binding, seg)
 
-            run = ControlledRun(request, admitted.prompt_ids, admitted.max_tokens, self._side,
+            run = ControlledRun(request, admitted.prompt_ids, admitted.max_tokens,
+                                self._runtime.side,
                                 self._tokenizer, self._tokenizer.eos_token_id, segment)
             async with aclosing(run.stream()) as events:
                 async for event in events:
