@@ -15,7 +15,8 @@ own cost dominates. ``--hog`` runs one busy process pinned to CPU 0 beside every
     python bench/compare.py [--models embedded,tiny] [--targets bare,gateway,serve-llm]
                             [--concurrency 1,16,64] [--rounds 3] [--hog]
 
-Targets: ``bare``, ``gateway`` (the README's default layout: HAProxy on the public port),
+Targets: ``bare``, ``gateway`` (the README's default layout: each model its own application,
+HAProxy on the public port), ``gateway-one-app`` (engines inside the gateway's application),
 ``gateway-serve-proxy`` (the same with Serve's proxy actor on the port), ``gateway-over-ray``
 (engine replicas streaming as Ray objects: ``engine_transport: ray``), ``gateway-colocated``
 (``serve_config.colocated.yaml``'s layout), ``serve-llm`` (Ray Serve LLM), and the other
@@ -189,19 +190,21 @@ def _serve_gateway(model: str, model_dir: str, overrides: dict,
     return _serve_run(PORTS["gateway"], [app], _ray_env(ingress, **(env or {})))
 
 
-def _serve_gateway_apps(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
-    """``serve_config.cluster.yaml``'s layout on this box: each model its own Serve application
-    (``build_engine_app``), the gateway application naming them. Two models, the measured one
-    and a second copy of it that idles: what serving several models costs the one in use."""
+def _serve_model_apps(model: str, model_dir: str, overrides: dict, count: int = 1,
+                      ingress: str | None = None) -> subprocess.Popen:
+    """``serve_config.yaml``'s layout (the README's default): each model its own Serve
+    application (``build_model_app`` at ``/model/<name>``), the gateway application naming
+    them. ``count`` 2 adds a second copy of the model that idles
+    (``serve_config.cluster.yaml``'s two models): what serving several costs the one in use."""
     models = [{"name": name, "source": model_dir, "engine_args": overrides}
-              for name in (model, f"{model}-second")]
-    apps = [{"name": f"model-{i}", "route_prefix": None,
-             "import_path": "gateway.app:build_engine_app", "args": entry}
+              for name in (model, f"{model}-second")[:count]]
+    apps = [{"name": f"model-{i}", "route_prefix": f"/model/{entry['name']}",
+             "import_path": "gateway.app:build_model_app", "args": {"model": entry}}
             for i, entry in enumerate(models)]
     apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
                  "args": {"models": [{**entry, "app": f"model-{i}"}
                                      for i, entry in enumerate(models)]}})
-    return _serve_run(PORTS["gateway"], apps, _ray_env())
+    return _serve_run(PORTS["gateway"], apps, _ray_env(ingress))
 
 
 def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
@@ -229,12 +232,16 @@ VARIANTS = {
 _SERVE_PROXY = functools.partial(_serve_gateway, ingress="serve")
 _HAPROXY = functools.partial(_serve_gateway, ingress="haproxy")
 STARTERS = {"bare": _serve_bare, "serve-llm": _serve_llm,
-            # The README's default: engines in their own deployments, HAProxy on the port.
-            "gateway": _serve_gateway,
+            # The README's default: each model its own application, HAProxy on the port
+            # sending requests that name it there.
+            "gateway": _serve_model_apps,
             # Two models, each its own application (serve_config.cluster.yaml's layout).
-            "gateway-two-apps": _serve_gateway_apps,
+            "gateway-two-apps": functools.partial(_serve_model_apps, count=2),
+            # The default before models had applications of their own: engine deployments
+            # inside the gateway's application, every token through its ingress replica.
+            "gateway-one-app": _serve_gateway,
             # The same with Serve's proxy actor on the public port (LLM_GATEWAY_INGRESS=serve).
-            "gateway-serve-proxy": _SERVE_PROXY,
+            "gateway-serve-proxy": functools.partial(_serve_model_apps, ingress="serve"),
             # The engine inside the ingress replica (ModelConfig.colocated): no hop between
             # the engine and the protocol encoders.
             "gateway-colocated": functools.partial(_serve_gateway, colocated=True),

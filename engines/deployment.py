@@ -29,7 +29,7 @@ from protocols.internal import (
 )
 from protocols.pump import Pump
 
-__all__ = ["EngineDeployment", "drain_batches"]
+__all__ = ["EngineDeployment", "EngineReplica", "drain_batches"]
 
 # Events a generation may run ahead of the ingress pulling them (then the engine's own output
 # collector merges its steps, as for any slow client).
@@ -54,10 +54,11 @@ async def drain_batches(events: AsyncIterator[Event],
             yield batch
 
 
-@serve.deployment(health_check_period_s=10, health_check_timeout_s=60)
-class EngineDeployment:
+class EngineReplica:
     """Ray Serve replica: the engine contract over the model's engine kind, with events packed
-    as msgpack batches (``gateway.engine_client.ServeEngineClient`` is the other end)."""
+    as msgpack batches (``gateway.engine_client.ServeEngineClient`` is the other end). A
+    model's own application (``gateway.model_app``) extends it with the protocols' HTTP routes
+    over the same engine."""
 
     def __init__(self, config: ModelConfig):
         from engines.host import EngineHost
@@ -107,3 +108,7 @@ class EngineDeployment:
     async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
         """The engine kind's own greedy decoding, bypassing the gateway (parity tests' oracle)."""
         return await self.host.reference_greedy(prompt, max_tokens)
+
+
+EngineDeployment = serve.deployment(health_check_period_s=10,
+                                    health_check_timeout_s=60)(EngineReplica)

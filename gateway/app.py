@@ -33,7 +33,8 @@ from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
 from protocols.internal import EngineUnavailable, InvalidPrompt
 
-__all__ = ["GatewayIngress", "build_app", "build_engine_app", "create_app"]
+__all__ = ["GatewayIngress", "build_app", "build_engine_app", "build_model_app", "create_app",
+           "serve_asgi_app"]
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +185,22 @@ class GatewayIngress:
         self._config = config
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        from gateway.tag_store import SharedTagStore
+        return serve_asgi_app(self._registry, self._config, self._capacity)
 
-        app = create_app(self._registry, self._config)
-        # For Serve's proxy (gateway.proxy), which takes it off; HAProxy would pass it on.
-        if self._capacity is not None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
-            app.add_middleware(CapacityHeader, capacity=self._capacity)
-        if "aici" in self._config.protocols:
-            app.state.aici_tags = SharedTagStore(serve.get_replica_context().app_name)
-        return app
+
+def serve_asgi_app(registry: ModelRegistry, config: GatewayConfig,
+                   capacity: int | None) -> FastAPI:
+    """The app a Serve replica serves (the gateway's ingress, a model's own application):
+    ``capacity``, the generations it admits, is told to Serve's proxy in a header."""
+    from gateway.tag_store import SharedTagStore
+
+    app = create_app(registry, config)
+    # For Serve's proxy (gateway.proxy), which takes it off; HAProxy would pass it on.
+    if capacity is not None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        app.add_middleware(CapacityHeader, capacity=capacity)
+    if "aici" in config.protocols:
+        app.state.aici_tags = SharedTagStore(serve.get_replica_context().app_name)
+    return app
 
 
 def _channel_receiver():
@@ -263,3 +271,12 @@ def build_engine_app(args: dict[str, Any] | ModelConfig) -> serve.Application:
         return _engine_app(msgspec.convert(args or {}, ModelConfig))
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid model config: {exc}") from None
+
+
+def build_model_app(args: dict[str, Any]) -> serve.Application:
+    """``import_path: gateway.app:build_model_app``: one model's own application, its replicas
+    serving it over HTTP too (``gateway.model_app``; args: ``model``, its entry, and
+    ``gateway``, the gateway's settings). Give it ``route_prefix: /model/<name>``."""
+    from gateway.model_app import load_model_app, model_deployment
+
+    return model_deployment(*load_model_app(args))

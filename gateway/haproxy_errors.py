@@ -13,8 +13,9 @@ same arguments but the configuration file), so Serve's reloads, ``-sf`` hand-ove
 socket work as before. The rewrite sets, per request, which protocol owns the path (the rules
 of :class:`~gateway.shapes.ErrorShapes`, as HAProxy ACLs), and answers each of HAProxy's own
 errors with that protocol's body from a map file (``<status>.map``: protocol name -> body),
-with ``Retry-After`` where retrying helps. A replica that died before answering is a 503, as
-in the layout with Serve's proxy (``gateway/proxy.py``); for that, each request gets a
+with ``Retry-After`` where retrying helps; a request naming a model that has its own
+application goes straight to it (``gateway.haproxy_models``). A replica that died before
+answering is a 503, as in the layout with Serve's proxy (``gateway/proxy.py``); for that, each request gets a
 connection to its replica of its own (:data:`_ONE_REQUEST_PER_CONNECTION`), and request
 bodies are not spliced, so that a client that leaves closes its replica's connection too.
 docs/cluster.md, "The public port".
@@ -30,6 +31,7 @@ import sys
 
 import msgspec
 
+from gateway.haproxy_models import model_rules
 from gateway.proxy import FULL, max_requests_from_env
 from gateway.shapes import DIED, RESTARTING, TIMED_OUT, ErrorShapes
 
@@ -221,7 +223,8 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
         elif head == ["frontend", "http_frontend"]:
             binds = [i for i, line in enumerate(section) if line.split()[:1] == ["bind"]]
             at = binds[-1] + 1 if binds else 1
-            added = [*owner_rules(prefixes, shapes), *_response_rules(tables)]
+            added = [*owner_rules(prefixes, shapes), *model_rules(prefixes, shapes),
+                     *_response_rules(tables)]
             routing = [i for i, line in enumerate(section) if line.split()[:1] == ["use_backend"]]
             cut = routing[0] if routing else len(section)  # the bounds use Serve's path ACLs
             section = [*section[:at], *(indent + r for r in added), *section[at:cut],

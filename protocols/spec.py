@@ -40,6 +40,12 @@ class ProtocolSpec:
     # the gateway configuration's key for each, so the gateway builds it from its configuration
     # (``GatewayConfig.options_for``) and the routes get it with :func:`options_of`.
     options: type | None = None
+    # Where a request names its model, so that HAProxy can send it straight to the model's own
+    # application (docs/cluster.md, "The default layout"): POST paths whose JSON body names
+    # it in a top-level ``model``, and path prefixes followed by the model's name as the next
+    # path segment. Requests named neither way take the gateway application's route.
+    model_in_body: frozenset[str] = frozenset()
+    model_in_path: tuple[str, ...] = ()
 
     def match(self, path: str) -> int:
         """How specifically this protocol owns ``path`` (0: not at all): an exact path beats

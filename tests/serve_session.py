@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import msgspec
 import pytest
 import uvicorn
 
@@ -17,10 +18,12 @@ from engines.config import Controllers, ModelConfig
 from engines.embedded import EMBEDDED_MODEL_NAME
 from gateway import serve_env
 from gateway.config import GatewayConfig
+from gateway.model_app import model_route
 from gateway.serve_env import free_port
 
 MODEL = EMBEDDED_MODEL_NAME
 APP_NAME = "gateway"
+MODEL_APP = "model"  # the model's own application
 # Small, so the 413 path is exercised through Ray Serve without shipping 64 MiB bodies.
 MAX_REQUEST_BYTES = 1 << 20
 
@@ -44,7 +47,7 @@ def gateway_url():
     import ray
     from ray import serve
 
-    from gateway.app import build_app
+    from gateway.app import build_app, build_model_app
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Serve's proxy inherits Ray's environment: errors it writes itself come in shape.
@@ -54,11 +57,16 @@ def gateway_url():
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # serve_config.yaml's layout: the model its own application (its replicas serve it over
+        # HTTP, HAProxy sends requests naming it there), the gateway application for the rest.
         # The operator's example controller, as serve_config.yaml registers it.
         controllers = Controllers(custom={"redact": "engines.controllers.examples:Redact"})
-        config = GatewayConfig(models=[ModelConfig(name=MODEL, controllers=controllers)],
-                               aliases={"ensemble": MODEL},
-                               max_request_bytes=MAX_REQUEST_BYTES)
+        model = ModelConfig(name=MODEL, controllers=controllers)
+        settings = {"aliases": {"ensemble": MODEL}, "max_request_bytes": MAX_REQUEST_BYTES}
+        serve.run(build_model_app({"model": msgspec.to_builtins(model), "gateway": settings}),
+                  name=MODEL_APP, route_prefix=model_route(MODEL))
+        config = GatewayConfig(models=[msgspec.structs.replace(model, app=MODEL_APP)],
+                               **settings)
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, "the gateway")
@@ -124,7 +132,7 @@ def pipeline_handle(pipeline_url):
 def engine_handle(gateway_url):
     from ray import serve
 
-    return serve.get_deployment_handle(f"engine-{MODEL}", app_name=APP_NAME)
+    return serve.get_deployment_handle(f"engine-{MODEL}", app_name=MODEL_APP)
 
 
 # Prefill (SCORE, prompt logprobs) and decode compute the same logprob through different

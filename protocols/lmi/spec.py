@@ -7,4 +7,5 @@ from protocols.spec import ProtocolSpec
 SPEC = ProtocolSpec(name="lmi", routers=(router,), listing="/invocations  /predictions/{model}",
                     route_error=route_error,
                     prefixes=("/invocations", "/predictions/", "/models/"),
-                    public_paths=frozenset({"/ping"}), options=LMIOptions)
+                    public_paths=frozenset({"/ping"}), options=LMIOptions,
+                    model_in_path=("/predictions/", "/models/"))

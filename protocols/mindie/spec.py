@@ -9,4 +9,4 @@ SPEC = ProtocolSpec(name="mindie", routers=(router,),
                     prefixes=("/v2/",),
                     # KServe liveness/readiness probes: orchestrators send no API key.
                     public_paths=frozenset({"/v2/health/live", "/v2/health/ready"}),
-                    options=MindIEOptions)
+                    options=MindIEOptions, model_in_path=("/v2/models/",))

@@ -6,4 +6,6 @@ from protocols.spec import ProtocolSpec
 
 SPEC = ProtocolSpec(name="openai", routers=(router,), listing="/v1", route_error=route_error,
                     paths=frozenset({"/tokenize", "/detokenize"}), prefixes=("/v1/",),
-                    options=OpenAIOptions)
+                    options=OpenAIOptions,
+                    model_in_body=frozenset({"/v1/completions", "/v1/chat/completions",
+                                             "/tokenize", "/detokenize"}))

@@ -47,8 +47,9 @@ def _serve_config(http_port: int, a_dir: Path, b_dir: Path, with_b: bool) -> dic
                "engine_args": {"num_stages": 2, **stage,
                                "stage_resources": [{"pipeline_stage": 0.01}] * 2}}
     models = [(APP_A, model_a)] + ([(APP_B, model_b)] if with_b else [])
-    apps = [{"name": app, "route_prefix": None, "import_path": "gateway.app:build_engine_app",
-             "args": args} for app, args in models]
+    apps = [{"name": app, "route_prefix": f"/model/{args['name']}",
+             "import_path": "gateway.app:build_model_app", "args": {"model": args}}
+            for app, args in models]
     apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
                  "args": {"ingress_num_cpus": 0.1, "tgi_model": A,
                           "models": [{**args, "app": app} for app, args in models]}})

@@ -73,10 +73,9 @@ def big_body_url(gateway_url):
     from engines.config import ModelConfig
     from gateway.app import build_app
     from gateway.config import GatewayConfig
-    from tests.e2e.conftest import APP_NAME
-    from tests.serve_session import _wait_healthy
+    from tests.serve_session import MODEL_APP, _wait_healthy
 
-    config = GatewayConfig(models=[ModelConfig(name=MODEL, app=APP_NAME)], ingress_num_cpus=0.1)
+    config = GatewayConfig(models=[ModelConfig(name=MODEL, app=MODEL_APP)], ingress_num_cpus=0.1)
     serve.run(build_app(config), name=BIG_APP, route_prefix=f"/{BIG_APP}")
     url = f"{gateway_url}/{BIG_APP}"
     _wait_healthy(url, "the big-body gateway")

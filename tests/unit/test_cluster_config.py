@@ -16,8 +16,9 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
 from engines.config import Autoscaling, ModelConfig
-from gateway.app import build_app, build_engine_app
+from gateway.app import build_app, build_engine_app, build_model_app
 from gateway.config import load_config
+from gateway.model_app import load_model_app, model_route
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,38 +61,58 @@ def test_the_gpu_example_places_workers_by_the_engine_resource():
     assert workers["max_workers"] >= workers["min_workers"] >= 1
 
 
-def test_the_cluster_serve_config_builds_with_its_replica_options():
-    """Each model in its own application, the gateway naming them: the engine apps carry the
-    replica options, the gateway binds no engine of its own and reads the same entries."""
-    serve_config = _load("serve_config.cluster.yaml")
+@pytest.mark.parametrize("name", ["serve_config.cluster.yaml", "serve_config.yaml"])
+def test_the_serve_configs_build_each_model_its_own_application(name):
+    """Each model in its own application at /model/<name>, the gateway naming them with the
+    same entries and settings (YAML merge keys); the gateway binds no engine of its own."""
+    serve_config = _load(name)
     ServeDeploySchema.model_validate(serve_config)
     apps = {a["name"]: a for a in serve_config["applications"]}
     gateway_args = apps.pop("gateway")["args"]
     config = load_config(gateway_args)
     assert {m.app for m in config.models} == set(apps)
-    assert all(a["import_path"] == "gateway.app:build_engine_app" and a["route_prefix"] is None
-               for a in apps.values())
-    built = {m.name: build_engine_app(apps[m.app]["args"])._bound_deployment
-             for m in config.models}
-    vllm, pipeline = (built[m.name] for m in config.models)
-    assert [d.name for d in built.values()] == [f"engine-{m.name}" for m in config.models]
+    for model in config.models:
+        app = apps[model.app]
+        assert app["import_path"] == "gateway.app:build_model_app"
+        assert app["route_prefix"] == model_route(model.name)
+        own, settings = load_model_app(app["args"])
+        assert msgspec.structs.replace(own, app=model.app) == model
+        assert settings.keys() == config.keys() and settings.protocols == config.protocols
+        deployment = build_model_app(app["args"])._bound_deployment
+        assert deployment.name == f"engine-{model.name}"
+    ingress = build_app(gateway_args)._bound_deployment
+    assert ingress.init_args[0] == {}
+    assert ingress._deployment_config.max_surge_percent == 100
+
+
+def test_the_cluster_serve_config_keeps_its_replica_options():
+    """Autoscaling, fixed replicas and placement by node resources reach the models' own
+    applications."""
+    apps = {a["name"]: a for a in _load("serve_config.cluster.yaml")["applications"]}
+    vllm = build_model_app(apps["model-smollm2"]["args"])._bound_deployment
+    pipeline = build_model_app(apps["model-smollm2-pipeline"]["args"])._bound_deployment
     scaling = vllm._deployment_config.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas) == (1, 2)
     assert scaling.target_ongoing_requests == 8
     assert vllm._replica_config.ray_actor_options["resources"] == {"llm_gateway_cpu_engine": 0.01}
     assert pipeline._deployment_config.num_replicas == 2
-    # Serve's queue bound never refuses what an ingress replica admitted (its own bound).
-    for model in config.models:
-        bound = built[model.name]._deployment_config.max_queued_requests
-        assert bound == model.pending_limit() >= model.ongoing_limit() * model.max_replicas()
     assert pipeline._deployment_config.autoscaling_config is None
-    # The gateway's entries are the engine apps' own (YAML merge keys), plus `app`.
-    for model in config.models:
-        own = load_config({"models": [apps[model.app]["args"]]}).models[0]
-        assert msgspec.structs.replace(own, app=model.app) == model
-    ingress = build_app(gateway_args)._bound_deployment
-    assert ingress.init_args[0] == {}
-    assert ingress._deployment_config.max_surge_percent == 100
+    # Serve refuses in plain text beyond this (direct ingress): above the gateway's own bounds.
+    for deployment in (vllm, pipeline):
+        assert deployment._deployment_config.max_ongoing_requests >= 512
+
+
+def test_a_model_application_takes_the_gateways_settings_for_its_model_only():
+    model, config = load_model_app({"model": {"name": "a", "engine": "pipeline"},
+                                    "gateway": {"api_key": "k", "aliases": {"x": "a", "y": "b"},
+                                                "tgi_model": "b"}})
+    assert [m.name for m in config.models] == ["a"] and model.name == "a"
+    assert config.aliases == {"x": "a"} and config.tgi_model is None and config.api_key == "k"
+    with pytest.raises(ValueError, match="settings list no models"):
+        load_model_app({"model": {"name": "a", "engine": "pipeline"},
+                        "gateway": {"models": [{"name": "b"}]}})
+    with pytest.raises(ValueError, match="invalid model application config"):
+        load_model_app({"model": {"name": "a", "engine": "pipeline"}, "extra": 1})
 
 
 def test_models_inside_the_gateway_app_are_bound_there():

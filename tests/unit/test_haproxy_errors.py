@@ -117,17 +117,14 @@ def _render(directory: str, port: int, apps: dict[str, int]) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def haproxy_and_slow(tmp_path_factory):
-    """HAProxy started as Serve starts it, through the launcher, for: /gw (no replica up),
-    /dying (a replica that closes every request)."""
-    directory = str(tmp_path_factory.mktemp("haproxy"))
-    dying, slow, port = _DyingReplica(), _SlowReplica(), free_port()
-    config = _render(directory, port, {"/gw": free_port(), "/dying": dying.port,
-                                       "/slow": slow.port})
-    serves_proxy = _ServesProxy()
+def start_haproxy(directory: str, apps: dict[str, int],
+                  fallback_port: int) -> tuple[subprocess.Popen, str]:
+    """HAProxy started as Serve starts it, through the launcher, on Serve's rendering for
+    ``apps`` (route prefix -> replica port); paths of no app go to ``fallback_port``."""
+    port = free_port()
+    config = _render(directory, port, apps)
     env = {**os.environ, haproxy_errors.BINARY_VAR: real_binary(),
-           haproxy_errors.FALLBACK_PORT_VAR: str(serves_proxy.server_port)}
+           haproxy_errors.FALLBACK_PORT_VAR: str(fallback_port)}
     launcher = [os.path.join(os.path.dirname(os.sys.executable), haproxy_errors.LAUNCHER)]
     proc = subprocess.Popen([*launcher, "-db", "-f", config], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -140,6 +137,18 @@ def haproxy_and_slow(tmp_path_factory):
         except httpx.TransportError:
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             time.sleep(0.1)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def haproxy_and_slow(tmp_path_factory):
+    """HAProxy started as Serve starts it, through the launcher, for: /gw (no replica up),
+    /dying (a replica that closes every request)."""
+    directory = str(tmp_path_factory.mktemp("haproxy"))
+    dying, slow = _DyingReplica(), _SlowReplica()
+    serves_proxy = _ServesProxy()
+    proc, url = start_haproxy(directory, {"/gw": free_port(), "/dying": dying.port,
+                                          "/slow": slow.port}, serves_proxy.server_port)
     yield url, slow
     proc.terminate()
     proc.wait(10)
