@@ -14,17 +14,19 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import websockets
 
 from engines.config import ModelConfig
 from engines.embedded import local_model_dir
 from gateway.config import GatewayConfig
+from gateway.model_app import model_route
 from tests.e2e.conftest import MODEL
 from tests.pipeline_models import build_tiny
 from tests.serve_session import _wait_healthy
 
-APP, TINY, KEY = "faults", "tiny-llama", "reliability-key"
+APP, MODEL_APP, TINY, KEY = "faults", "faults-model", "tiny-llama", "reliability-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 ONGOING, QUEUED, INGRESS_LIMIT = 4, 4, 48
 
@@ -39,20 +41,27 @@ def tiny_source(tmp_path_factory) -> Path:
 def faults_url(gateway_url, tiny_source):
     from ray import serve
 
-    from gateway.app import build_app
+    from gateway.app import build_app, build_model_app
 
     source = tiny_source
     model = ModelConfig(name=TINY, engine="pipeline", source=str(source), num_replicas=2,
                         num_cpus=0.05, max_ongoing_requests=ONGOING, max_queued_requests=QUEUED,
                         engine_args={"num_stages": 1, "stage_num_cpus": 0.05,
                                      "max_sequences": ONGOING})
-    config = GatewayConfig(models=[model], api_key=KEY, ingress_num_cpus=0.05,
-                           max_concurrent_requests=INGRESS_LIMIT)
+    settings = {"api_key": KEY, "max_concurrent_requests": INGRESS_LIMIT}
+    # The default layout: the model its own application at /model/<name> (where HAProxy sends
+    # requests naming it), the gateway application at /faults naming it; the tests below go
+    # through the gateway's route unless they say otherwise.
+    serve.run(build_model_app({"model": msgspec.to_builtins(model), "gateway": settings}),
+              name=MODEL_APP, route_prefix=model_route(TINY))
+    config = GatewayConfig(models=[msgspec.structs.replace(model, app=MODEL_APP)],
+                           ingress_num_cpus=0.05, **settings)
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     url = f"{gateway_url}/{APP}"
     _wait_healthy(url, "the faults gateway")
     yield url
     serve.delete(APP)
+    serve.delete(MODEL_APP)
 
 
 def _completion(max_tokens=24, stream=False) -> dict:
@@ -189,7 +198,7 @@ def _replicas() -> list[tuple[str, str]]:
     import ray
 
     return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(f"SERVE_REPLICA::{APP}#engine-{TINY}#")]
+            if a["name"].startswith(f"SERVE_REPLICA::{MODEL_APP}#engine-{TINY}#")]
 
 
 def _kill(replica: tuple[str, str]) -> None:
@@ -229,6 +238,51 @@ async def test_a_killed_replica_ends_its_streams_in_shape_and_costs_no_new_reque
             assert json.loads(last.removeprefix(b"data: "))["error"]["message"]
         assert len(failed) < len(ended)  # the other replica's streams finished
         await _until_replicas(2)
+
+
+async def _stream_or_cut(c: httpx.AsyncClient, started: asyncio.Event, log: list):
+    """One long OpenAI stream; records (how it ended: done / error / cut, when)."""
+    ended = "cut"
+    try:
+        async with c.stream("POST", "/v1/completions",
+                            json=_completion(400, stream=True)) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    started.set()
+                    ended = ("done" if line == "data: [DONE]" else
+                             "error" if '"error"' in line else "cut")
+    except httpx.TransportError:  # the response stopped before its last chunk
+        ended = "cut"
+    log.append((ended, time.monotonic()))
+
+
+async def test_a_killed_replica_cuts_the_streams_it_served_itself(gateway_url, faults_url):
+    """Requests naming the model at the public root go straight to the model's own
+    application (HAProxy), whose replica is then also their HTTP server: when its process
+    dies, their responses stop before their last chunk, which the client sees as an error at
+    once (HAProxy cannot write into a response already started; never a hang, never a clean
+    end), the other replica's streams finish, and new requests are served. docs/cluster.md,
+    "The default layout"."""
+    async with httpx.AsyncClient(base_url=gateway_url, headers=AUTH, timeout=120) as c:
+        started, ended = asyncio.Event(), []
+        streams = [asyncio.ensure_future(_stream_or_cut(c, started, ended)) for _ in range(4)]
+        await asyncio.wait_for(started.wait(), 30)
+        await asyncio.sleep(0.3)
+        killed_at = time.monotonic()
+        _kill(_replicas()[0])
+        news = [await c.post("/v1/completions", json=_completion(4)) for _ in range(8)]
+        await asyncio.wait_for(asyncio.gather(*streams), 120)
+    for r in news:  # HAProxy may try the dead replica first: then a 503 in shape
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == 503, r.text
+    assert news[-1].status_code == 200, news[-1].text
+    stopped = [(how, t) for how, t in ended if how != "done"]
+    assert stopped and len(stopped) < len(ended), ended  # the other replica's streams finished
+    for _, t in stopped:
+        assert t - killed_at < 1.5, t - killed_at
+    await _until_replicas(2)
 
 
 async def test_with_no_replica_left_requests_get_a_fast_503_until_it_is_back(faults_url,
@@ -294,7 +348,7 @@ async def _until_replicas(n: int, timeout_s: float = 300) -> None:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        status = serve.status().applications[APP].deployments[f"engine-{TINY}"]
+        status = serve.status().applications[MODEL_APP].deployments[f"engine-{TINY}"]
         if status.replica_states.get("RUNNING", 0) >= n and status.status == "HEALTHY":
             return
         assert time.monotonic() < deadline, status
