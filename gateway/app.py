@@ -26,6 +26,7 @@ from engines.config import ModelConfig
 from gateway.config import GatewayConfig, load_config
 from gateway.keys import KeyAuth, MeteredEngine
 from gateway.limits import Admission, BodySizeLimit, CapacityHeader, route_path
+from gateway.local_engine import CloseStreamsWithRequest
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.registry import ModelRegistry
 from gateway.shapes import ErrorShapes
@@ -69,6 +70,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
 def _add_middlewares(app: FastAPI, config: GatewayConfig, errors: ErrorShapes,
                      public: frozenset[str]) -> None:
     """Body bound, metrics, admission and (with keys) auth; the last added runs first."""
+    app.add_middleware(CloseStreamsWithRequest)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(MetricsMiddleware)
     app.add_middleware(Admission, max_inflight=config.max_concurrent_requests,

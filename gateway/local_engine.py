@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from contextvars import ContextVar
 
 from engines.config import ModelConfig
 from engines.host import EngineHost
@@ -17,7 +18,50 @@ from engines.kinds import create_engine
 from gateway.engine_client import overloaded, with_default_deadline
 from protocols.internal import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
 
-__all__ = ["LocalEngineClient"]
+__all__ = ["CloseStreamsWithRequest", "LocalEngineClient"]
+
+
+class _Opened:
+    """A generation an HTTP request started on an engine in this process."""
+
+    __slots__ = ("abandoned", "events")
+
+    def __init__(self) -> None:
+        self.abandoned = False
+        self.events: AsyncIterator[Event] | None = None
+
+
+# The generations the current HTTP request started (set by CloseStreamsWithRequest).
+_STARTED: ContextVar[list[_Opened] | None] = ContextVar("llm_gateway_started", default=None)
+
+
+class CloseStreamsWithRequest:
+    """ASGI middleware: when an HTTP request's response is over, the generations it started on
+    an engine in this process are closed, which aborts any still running.
+
+    A protocol that ends a stream itself (an OpenAI stream cannot show a backtrack: it ends
+    with an error there) stops reading the engine's events without closing them; only garbage
+    collection would, and in a replica that runs vLLM it did not (the e2e suite found one
+    request running on for minutes). A generation some other task is reading at that moment
+    (a merge of several prompts' streams) is marked, and ends at its next event."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started: list[_Opened] = []
+        token = _STARTED.set(started)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _STARTED.reset(token)
+            for opened in started:
+                opened.abandoned = True
+                events = opened.events
+                if events is not None and not getattr(events, "ag_running", True):
+                    await events.aclose()
 
 
 class LocalEngineClient:
@@ -35,7 +79,15 @@ class LocalEngineClient:
     def start(cls, config: ModelConfig, **options) -> LocalEngineClient:
         return cls(EngineHost(create_engine(config)), config.name, **options)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        opened = _Opened()
+        opened.events = self._generate(request, opened)
+        started = _STARTED.get()
+        if started is not None:
+            started.append(opened)
+        return opened.events
+
+    async def _generate(self, request: GenerateRequest, opened: _Opened) -> AsyncIterator[Event]:
         if self.max_pending is not None and self.pending >= self.max_pending:
             yield overloaded(self.model)
             return
@@ -45,6 +97,8 @@ class LocalEngineClient:
             # Closing this generator (client gone) closes the host's, which aborts the request.
             async with aclosing(self.host.generate(request)) as events:
                 async for event in events:
+                    if opened.abandoned:  # its request is over (CloseStreamsWithRequest)
+                        return
                     yield event
         finally:
             self.pending -= 1

@@ -496,10 +496,10 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
     """The gateway application's ingress replica dies with requests in flight on four
     protocols: Serve's proxy has no answer for them (before gateway.proxy, uvicorn's plain-text
     500); each client gets a 503 in its own protocol's shape, the engine requests are
-    released, and the gateway serves again once Serve replaced the replica. Requests naming
-    the model go to its own application and are served throughout. The OpenAI and MindIE
-    requests name the model by its alias, so that they take the gateway's route. Last in the
-    module: it restarts the ingress."""
+    released, and the gateway serves again once Serve replaced the replica. The OpenAI and
+    MindIE requests name the model by its alias, so that they take the gateway's route (the
+    model's own name goes to the model's application). Last in the module: it restarts the
+    ingress."""
     import ray
 
     long = {"max_new_tokens": 400, "ignore_eos": True}  # ~20 s of vLLM decoding here
@@ -514,7 +514,6 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
         "mindie": ("/v2/models/ensemble/generate", {"text_input": "Hi", "parameters": long},
                    lambda j: "retry" in j["error"]),
     }
-    direct = ("/v1/completions", {"model": MODEL, "prompt": "Hi"})
     (ingress,) = [(a["name"], a["namespace"])
                   for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith("SERVE_REPLICA::gateway#GatewayIngress#")]
@@ -532,7 +531,6 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
         during = [asyncio.ensure_future(_timed(c, *list(requests.values())[i % 4][:2], i / 20))
                   for i in range(20)]
         up = asyncio.ensure_future(_served_again(c, *requests["openai"][:2]))
-        named = [await _timed(c, *direct, 0) for _ in range(3)]
         answers = dict(zip(calls, await asyncio.wait_for(asyncio.gather(*calls.values()), 60),
                            strict=True))
         during = await asyncio.gather(*during)
@@ -548,8 +546,6 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
             assert r.headers["retry-after"] == "1" and r.headers["content-type"].startswith(
                 "application/json"), r.text
     assert any(r.status_code == 503 for r, _ in during)
-    for r, arrived in named:  # while the gateway's ingress was down
-        assert r.status_code == 200 and arrived < up_at, (r.text, arrived - up_at)
     for name, r in answers.items():
         assert r.status_code == 503, (name, r.status_code, r.text)
         assert r.headers["content-type"].startswith("application/json"), (name, r.text)

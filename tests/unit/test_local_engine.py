@@ -12,7 +12,7 @@ import pytest
 from engines.config import Autoscaling, ModelConfig
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.local_engine import LocalEngineClient
+from gateway.local_engine import CloseStreamsWithRequest, LocalEngineClient
 from gateway.registry import ModelRegistry
 from protocols.internal import (
     ErrorEvent,
@@ -131,3 +131,36 @@ def test_the_colocated_serve_config_binds_no_engine_deployment():
     ingress = build_app(args)._bound_deployment
     assert ingress.init_args[0] == {}  # no engine deployment: the ingress hosts the engine
     assert ingress._replica_config.ray_actor_options["num_cpus"] == 0.25 + 0.5
+
+
+async def test_a_generation_its_request_left_open_is_closed_when_the_response_is_over():
+    """A route that stops reading a generation without closing it (an OpenAI stream ending at
+    a backtrack did, in a replica running vLLM: the request ran on for minutes) does not leave
+    it running once the response is over, whatever holds on to it; one another task is
+    reading then ends at its next event."""
+    engine = FakeEngine(name="m", delay=0.01)
+    client = LocalEngineClient(engine, "m")
+    held = []
+
+    async def route(scope, receive, send):
+        first = client.generate(_request("left", max_tokens=40))
+        held.append(first)
+        await anext(first)  # then left suspended, never closed
+        second = client.generate(_request("read", max_tokens=40))
+        held.append(asyncio.ensure_future(_drain(second)))  # a task reading it
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    transport = httpx.ASGITransport(app=CloseStreamsWithRequest(route))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        assert (await http.get("/")).text == "ok"
+    await asyncio.wait_for(held[1], 5)
+    stats = await client.stats()
+    assert (stats.active, stats.aborted) == (0, 2)
+    assert sorted(engine.cancelled) == ["left", "read"]
+
+
+async def _drain(events) -> None:
+    async for _ in events:
+        pass
