@@ -28,6 +28,7 @@ from gateway.keys import KeyAuth, MeteredEngine
 from gateway.limits import Admission, BodySizeLimit, CapacityHeader, route_path
 from gateway.local_engine import CloseStreamsWithRequest
 from gateway.metrics import MetricsMiddleware, render_metrics
+from gateway.model_routes import engine_deployment
 from gateway.registry import ModelRegistry
 from gateway.shapes import ErrorShapes
 from protocols.catalog import load_spec
@@ -217,7 +218,7 @@ def _channel_receiver():
 
 
 def engine_deployment_name(model: ModelConfig) -> str:
-    return f"engine-{model.name}"
+    return engine_deployment(model.name)
 
 
 def _engine_app(model: ModelConfig) -> serve.Application:

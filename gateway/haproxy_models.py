@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.model_app import MODEL_ROUTE
+from gateway.model_routes import MODEL_ROUTE, model_of_route
 from gateway.shapes import ErrorShapes
 
 __all__ = ["MODEL_VAR", "model_rules"]
@@ -29,8 +29,7 @@ _BODY_WAIT = "2s"
 
 
 def _served(route_prefixes: list[str]) -> list[str]:
-    names = {p.rstrip("/")[len(MODEL_ROUTE):] for p in route_prefixes
-             if p.startswith(MODEL_ROUTE)}
+    names = {model_of_route(p) for p in route_prefixes} - {None}
     return sorted(n for n in names if _PLAIN_NAME.match(n))
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from gateway.model_routes import engine_deployment, model_of_route
+
 __all__ = ["INGRESS_DEPLOYMENT", "IngressWatch", "Reading", "read_serve"]
 
 log = logging.getLogger("llm_gateway.proxy")
@@ -40,6 +42,13 @@ class Reading(msgspec.Struct, frozen=True):
         return frozenset(app for app, count in self.replicas.items() if not count)
 
 
+def _ingress_deployment(prefix: str | None) -> str:
+    """The HTTP deployment of the application at ``prefix``: a model's own application serves
+    HTTP from its engine replicas (gateway.model_app), the gateway's from its ingress."""
+    model = None if prefix is None else model_of_route(prefix)
+    return INGRESS_DEPLOYMENT if model is None else engine_deployment(model)
+
+
 def read_serve() -> Reading:
     """One reading of the controller and the GCS (blocking: call it off the event loop)."""
     import ray
@@ -49,8 +58,8 @@ def read_serve() -> Reading:
     live = {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
     prefixes, replicas = [], {}
     for name, app in (details.get("applications") or {}).items():
-        ingress = (app.get("deployments") or {}).get(INGRESS_DEPLOYMENT)
         prefix = app.get("route_prefix")
+        ingress = (app.get("deployments") or {}).get(_ingress_deployment(prefix))
         if ingress is None or prefix is None:  # not a gateway, or not served over HTTP
             continue
         prefixes.append((prefix, name))

@@ -9,7 +9,7 @@ names no model that way (listings, aliases, TGI's routes, LMTP's websockets, AIC
 gateway application, which reaches the same replicas through their deployment handle and the
 engine channel, as for any model in an application of its own.
 
-Serve config: ``route_prefix: /model/<name>`` (:func:`model_route`; HAProxy learns the model's
+Serve config: ``route_prefix: /model/<name>`` (``gateway.model_routes``; HAProxy learns the model's
 name from it) and ``import_path: gateway.app:build_model_app`` with args ``model`` (the model's
 entry) and ``gateway`` (the settings the gateway application has: API keys, protocols, limits).
 """
@@ -26,18 +26,10 @@ from engines.config import ModelConfig
 from engines.deployment import EngineReplica
 from gateway.config import GatewayConfig, load_config
 from gateway.local_engine import LocalEngineClient
+from gateway.model_routes import engine_deployment
 from gateway.registry import ModelRegistry
 
-__all__ = ["MODEL_ROUTE", "ModelAppArgs", "ModelIngress", "load_model_app", "model_deployment",
-           "model_route"]
-
-# Route prefixes of models' own applications; HAProxy reads the model's name after it.
-MODEL_ROUTE = "/model/"
-
-
-def model_route(name: str) -> str:
-    """The route prefix of model ``name``'s own application (also a base URL for it alone)."""
-    return MODEL_ROUTE + name
+__all__ = ["ModelAppArgs", "ModelIngress", "load_model_app", "model_deployment"]
 
 
 class ModelAppArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -94,10 +86,8 @@ class ModelIngress(EngineReplica):
 def model_deployment(model: ModelConfig, config: GatewayConfig) -> serve.Application:
     """The model's application: :class:`ModelIngress` replicas under the engine deployment's
     name (the gateway application's handle finds them by it)."""
-    from gateway.app import engine_deployment_name
-
     return ModelIngress.options(
-        name=engine_deployment_name(model),
+        name=engine_deployment(model.name),
         # Serve refuses beyond these in plain text (direct ingress): set above the bounds that
         # refuse in the protocol's shape (the HTTP admission, the engine's pending bound).
         max_ongoing_requests=config.max_ongoing_requests,

@@ -18,7 +18,7 @@ from engines.config import Controllers, ModelConfig
 from engines.embedded import EMBEDDED_MODEL_NAME
 from gateway import serve_env
 from gateway.config import GatewayConfig
-from gateway.model_app import model_route
+from gateway.model_routes import model_route
 from gateway.serve_env import free_port
 
 MODEL = EMBEDDED_MODEL_NAME

@@ -21,7 +21,7 @@ import websockets
 from engines.config import ModelConfig
 from engines.embedded import local_model_dir
 from gateway.config import GatewayConfig
-from gateway.model_app import model_route
+from gateway.model_routes import model_route
 from tests.e2e.conftest import MODEL
 from tests.pipeline_models import build_tiny
 from tests.serve_session import _wait_healthy
@@ -497,9 +497,10 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
     protocols: Serve's proxy has no answer for them (before gateway.proxy, uvicorn's plain-text
     500); each client gets a 503 in its own protocol's shape, the engine requests are
     released, and the gateway serves again once Serve replaced the replica. The OpenAI and
-    MindIE requests name the model by its alias, so that they take the gateway's route (the
-    model's own name goes to the model's application). Last in the module: it restarts the
-    ingress."""
+    MindIE requests name the model by its alias, so that they take the gateway's route;
+    requests naming the model go to its own application and are served throughout (before
+    gateway.ingress_watch knew models' applications, its gate in their replicas refused them).
+    Last in the module: it restarts the ingress."""
     import ray
 
     long = {"max_new_tokens": 400, "ignore_eos": True}  # ~20 s of vLLM decoding here
@@ -531,6 +532,8 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
         during = [asyncio.ensure_future(_timed(c, *list(requests.values())[i % 4][:2], i / 20))
                   for i in range(20)]
         up = asyncio.ensure_future(_served_again(c, *requests["openai"][:2]))
+        named = [await _timed(c, "/v1/completions", {"model": MODEL, "prompt": "Hi"}, 0)
+                 for _ in range(3)]
         answers = dict(zip(calls, await asyncio.wait_for(asyncio.gather(*calls.values()), 60),
                            strict=True))
         during = await asyncio.gather(*during)
@@ -546,6 +549,8 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
             assert r.headers["retry-after"] == "1" and r.headers["content-type"].startswith(
                 "application/json"), r.text
     assert any(r.status_code == 503 for r, _ in during)
+    for r, arrived in named:  # while the gateway's ingress was down
+        assert r.status_code == 200 and arrived < up_at, (r.text, arrived - up_at)
     for name, r in answers.items():
         assert r.status_code == 503, (name, r.status_code, r.text)
         assert r.headers["content-type"].startswith("application/json"), (name, r.text)

@@ -18,7 +18,8 @@ from ray.serve.schema import ServeDeploySchema
 from engines.config import Autoscaling, ModelConfig
 from gateway.app import build_app, build_engine_app, build_model_app
 from gateway.config import load_config
-from gateway.model_app import load_model_app, model_route
+from gateway.model_app import load_model_app
+from gateway.model_routes import model_route
 
 ROOT = Path(__file__).resolve().parents[2]
 

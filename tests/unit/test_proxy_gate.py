@@ -12,7 +12,7 @@ import httpx
 import pytest
 from starlette.responses import JSONResponse
 
-from gateway.ingress_watch import IngressWatch, Reading, app_of
+from gateway.ingress_watch import IngressWatch, Reading, app_of, read_serve
 from gateway.proxy import ProxyErrorShape, ProxyGate
 
 PREFIXES = (("/pipeline", "pipeline"), ("/", "gateway"))
@@ -246,3 +246,32 @@ async def test_probe_answers_never_carry_the_capacity_and_only_probe_paths_are_c
             assert CAPACITY_HEADER.decode() not in r.headers, path
         assert set(c.gate.probes._answers) == {"/health", "/pipeline/health"}
         assert c.gate.capacity == {"gateway": 4, "pipeline": 4}
+
+
+def test_a_models_own_application_is_read_with_its_engine_replicas(monkeypatch):
+    """A model's own application serves HTTP from its engine replicas (gateway.model_app): the
+    watch counts those, so a request for it is not taken for one of the gateway's at '/' (its
+    replicas answered the gateway's outage with 503s before)."""
+    import ray
+    import ray.serve.context
+
+    def replicas(prefix, deployment, alive):
+        return {"route_prefix": prefix, "deployments": {deployment: {"replicas": [
+            {"state": "RUNNING", "actor_name": f"{deployment}-r"}]} if alive else {}}}
+
+    details = {"applications": {
+        "gateway": {"route_prefix": "/", "deployments": {"GatewayIngress": {"replicas": []}}},
+        "model-a": replicas("/model/a", "engine-a", alive=True),
+        "engines": {"route_prefix": None, "deployments": {"engine-b": {"replicas": []}}}}}
+
+    class Client:
+        def get_serve_details(self):
+            return details
+
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda: Client())
+    monkeypatch.setattr(ray.util, "list_named_actors",
+                        lambda all_namespaces: [{"name": "engine-a-r"}])
+    reading = read_serve()
+    assert reading.replicas == {"gateway": 0, "model-a": 1}
+    assert app_of(reading, "/model/a/v1/completions") == "model-a"
+    assert reading.down == frozenset({"gateway"})
