@@ -8,7 +8,7 @@ the path segment after a ``ProtocolSpec.model_in_path`` prefix) and, when it is 
 put the prefix in front of the path, so that Serve's own routing rules pick the model's backend.
 Requests named otherwise, or not at all, keep their path (the gateway application). The body is
 read only as far as HAProxy's buffer (``tune.bufsize``) holds it: a ``model`` past that is not
-seen, and the request takes the gateway application's route, as slower but the same.
+seen, and the request takes the gateway application's route (served the same, one hop slower).
 docs/cluster.md, "The default layout".
 """
 
