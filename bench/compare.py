@@ -50,6 +50,7 @@ from bench import cputime  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME, prepare_embedded_model  # noqa: E402
 from engines.vllm.args import engine_args as vllm_engine_args  # noqa: E402
 from gateway import serve_env  # noqa: E402
+from gateway.model_routes import model_route  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PORTS = {"bare": 8100, "gateway": 8000, "serve-llm": 8200}  # every gateway-* target: 8000
@@ -198,7 +199,7 @@ def _serve_model_apps(model: str, model_dir: str, overrides: dict, count: int = 
     (``serve_config.cluster.yaml``'s two models): what serving several costs the one in use."""
     models = [{"name": name, "source": model_dir, "engine_args": overrides}
               for name in (model, f"{model}-second")[:count]]
-    apps = [{"name": f"model-{i}", "route_prefix": f"/model/{entry['name']}",
+    apps = [{"name": f"model-{i}", "route_prefix": model_route(entry["name"]),
              "import_path": "gateway.app:build_model_app", "args": {"model": entry}}
             for i, entry in enumerate(models)]
     apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",

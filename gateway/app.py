@@ -169,7 +169,7 @@ class GatewayIngress:
                 # Its application may still be deploying (Serve deploys a config's applications
                 # side by side): the handle must not insist that it exists yet.
                 handles[model.name] = serve.get_deployment_handle(
-                    engine_deployment_name(model), app_name=model.app, _check_exists=False)
+                    engine_deployment(model.name), app_name=model.app, _check_exists=False)
         channel = _channel_receiver() if config.engine_transport == "channel" else None
         clients = {n: ServeEngineClient(h, n, request_timeout_s=config.request_timeout_s,
                                         stall_timeout_s=config.engine_stall_timeout_s,
@@ -217,15 +217,11 @@ def _channel_receiver():
     return ChannelReceiver(host)
 
 
-def engine_deployment_name(model: ModelConfig) -> str:
-    return engine_deployment(model.name)
-
-
 def _engine_app(model: ModelConfig) -> serve.Application:
     from engines.deployment import EngineDeployment
 
     return EngineDeployment.options(
-        name=engine_deployment_name(model),
+        name=engine_deployment(model.name),
         max_ongoing_requests=model.ongoing_limit(),
         # Serve counts a request as queued until a replica is picked for it, so a burst that
         # arrives at once overflowed a bound of queue_limit() while the replicas' own slots

@@ -15,9 +15,10 @@ of :class:`~gateway.shapes.ErrorShapes`, as HAProxy ACLs), and answers each of H
 errors with that protocol's body from a map file (``<status>.map``: protocol name -> body),
 with ``Retry-After`` where retrying helps; a request naming a model that has its own
 application goes straight to it (``gateway.haproxy_models``). A replica that died before
-answering is a 503, as in the layout with Serve's proxy (``gateway/proxy.py``); for that, each request gets a
-connection to its replica of its own (:data:`_ONE_REQUEST_PER_CONNECTION`), and request
-bodies are not spliced, so that a client that leaves closes its replica's connection too.
+answering is a 503, as in the layout with Serve's proxy (``gateway/proxy.py``); for that, each
+request gets a connection to its replica of its own (:data:`_ONE_REQUEST_PER_CONNECTION`), and
+request bodies are not spliced, so that a client that leaves closes its replica's connection
+too.
 docs/cluster.md, "The public port".
 """
 

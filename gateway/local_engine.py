@@ -8,7 +8,7 @@ bound on generations in flight (beyond it: refused as overloaded at once).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from contextvars import ContextVar
 
@@ -28,7 +28,7 @@ class _Opened:
 
     def __init__(self) -> None:
         self.abandoned = False
-        self.events: AsyncIterator[Event] | None = None
+        self.events: AsyncGenerator[Event, None] | None = None
 
 
 # The generations the current HTTP request started (set by CloseStreamsWithRequest).
@@ -60,7 +60,7 @@ class CloseStreamsWithRequest:
             for opened in started:
                 opened.abandoned = True
                 events = opened.events
-                if events is not None and not getattr(events, "ag_running", True):
+                if events is not None and not events.ag_running:  # else: at its next event
                     await events.aclose()
 
 
@@ -79,7 +79,7 @@ class LocalEngineClient:
     def start(cls, config: ModelConfig, **options) -> LocalEngineClient:
         return cls(EngineHost(create_engine(config)), config.name, **options)
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[Event, None]:
         opened = _Opened()
         opened.events = self._generate(request, opened)
         started = _STARTED.get()
