@@ -67,7 +67,10 @@ def prompt_chars(prompt: Prompt) -> int:
     """Characters of text the tokenizer will see (0 for a token prompt); the chat template's
     own text comes on top (it renders roles and contents)."""
     if isinstance(prompt, ChatPrompt):
-        return sum(len(m.role) + len(m.content) for m in prompt.messages)
+        calls = (c for m in prompt.messages for c in m.tool_calls)
+        return (sum(len(m.role) + len(m.content) for m in prompt.messages)
+                + sum(len(c.name) + len(c.arguments) for c in calls)
+                + sum(len(t.name) + len(t.description) + len(t.parameters) for t in prompt.tools))
     if isinstance(prompt, TokenPrompt):
         return 0
     return len(prompt.text)

@@ -10,6 +10,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from engines.base import PromptError
+from engines.tool_prompts import template_inputs
 from protocols.internal import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
 __all__ = ["prompt_char_limit", "render_prompt"]
@@ -34,8 +35,10 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TextPrompt):
             return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
         if isinstance(prompt, ChatPrompt):
+            messages, tools = template_inputs(getattr(tokenizer, "chat_template", None), prompt)
             text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in prompt.messages],
+                messages,
+                tools=tools,
                 add_generation_prompt=prompt.add_generation_prompt,
                 continue_final_message=prompt.continue_final_message,
                 tokenize=False,

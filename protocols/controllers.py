@@ -12,7 +12,7 @@ from typing import Any
 
 from protocols.internal import ControllerSpec
 
-__all__ = ["MAX_CONTROLLER_ARG_BYTES", "controller_spec", "json_schema_controller",
+__all__ = ["MAX_CONTROLLER_ARG_BYTES", "controller_spec", "grammar_controller", "json_schema_controller",
            "regex_controller"]
 
 # The runtime refuses bigger arguments too; checked here so the error names the field early.
@@ -47,17 +47,18 @@ def json_schema_controller(schema: Any) -> ControllerSpec:
         schema = {"type": "object"}
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema is an object")
-    return _guidance({"json_schema": schema})
+    return grammar_controller({"json_schema": schema})
 
 
 def regex_controller(pattern: Any) -> ControllerSpec:
     """Output constrained to the whole of ``pattern`` (Lark's regex syntax, as TGI and vLLM)."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError("a regex is a non-empty string")
-    return _guidance({"lark_grammar": "start: /" + pattern.replace("/", "\\/") + "/"})
+    return grammar_controller({"lark_grammar": "start: /" + pattern.replace("/", "\\/") + "/"})
 
 
-def _guidance(grammar: dict) -> ControllerSpec:
+def grammar_controller(grammar: dict) -> ControllerSpec:
+    """Output constrained by one llguidance grammar (lark, regex or JSON schema)."""
     spec = json.dumps({"grammar": {"grammars": [grammar]}})
     if len(spec.encode()) > MAX_CONTROLLER_ARG_BYTES:
         raise ValueError(f"the grammar is over {MAX_CONTROLLER_ARG_BYTES} bytes")

@@ -22,7 +22,9 @@ from protocols.internal import (
     splice_refusal,
 )
 from protocols.openai.errors import error_body, from_event
+from protocols.openai.tool_calls import ChatDeltas, chat_message, tool_finish_reason
 from protocols.streams import fold_splices
+from protocols.tools import ToolChoice
 
 __all__ = [
     "ChunkMeta",
@@ -192,13 +194,15 @@ async def completion_chunks(
 
 async def chat_chunks(
     events: AsyncIterator[Event], meta: ChunkMeta, *, choices: int, logprobs: bool,
-    usage: UsageMode
+    usage: UsageMode, tools: ToolChoice | None = None
 ) -> AsyncIterator[dict]:
-    """``chat.completion.chunk`` s: a role chunk per choice, a content chunk per token, a
-    finish chunk per choice, then usage. Every chunk with choices has a ``delta``."""
+    """``chat.completion.chunk`` s: a role chunk per choice, a content (or ``tool_calls``)
+    chunk per token, a finish chunk per choice, then usage. Every chunk with choices has a
+    ``delta``."""
     counter = _UsageCounter(meta.n, meta.prompts)
     head = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
             "model": meta.model}
+    deltas = ChatDeltas(tools)
 
     def wrap(choice: dict) -> dict:
         chunk = {**head, "choices": [choice]}
@@ -218,14 +222,20 @@ async def chat_chunks(
                             "logprobs": None, "finish_reason": None})
         if isinstance(event, TokenEvent):
             counter.token()
-            yield wrap({"index": event.index, "delta": {"content": event.text},
-                        "logprobs": {"content": [_chat_logprob(event)]} if logprobs else None,
-                        "finish_reason": None})
+            lp = {"content": [_chat_logprob(event)]} if logprobs else None
+            for delta in deltas.text(event.index, event.text) or ([{}] if lp else []):
+                yield wrap({"index": event.index, "delta": delta, "logprobs": lp,
+                            "finish_reason": None})
+                lp = None
         elif isinstance(event, FinalEvent):
             counter.final(event)
-            delta = {"content": event.text} if event.text else {}
-            yield wrap({"index": event.index, "delta": delta, "logprobs": None,
-                        "finish_reason": openai_finish_reason(event),
+            last = deltas.text(event.index, event.text, final=True)
+            for delta in last[:-1]:
+                yield wrap({"index": event.index, "delta": delta, "logprobs": None,
+                            "finish_reason": None})
+            yield wrap({"index": event.index, "delta": last[-1] if last else {}, "logprobs": None,
+                        "finish_reason": deltas.finish_reason(event.index,
+                                                              openai_finish_reason(event)),
                         "stop_reason": event.stop_reason})
         elif isinstance(event, (BacktrackEvent, ForkEvent)):  # a stream can't take text back
             yield _error_chunk(splice_refusal(event))
@@ -306,17 +316,18 @@ def completion_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool
             "model": meta.model, "choices": out, "usage": collected.usage}
 
 
-def chat_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool) -> dict:
+def chat_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool,
+                  tools: ToolChoice | None = None) -> dict:
     out = []
     for index, choice in collected.choices.items():
         finish, stop_reason = _finish(choice)
+        message, called = chat_message("".join(choice.text), tools)
         out.append({
             "index": index,
-            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "message": message,
             "logprobs": {"content": [_chat_logprob(t) for t in choice.tokens]} if logprobs else None,
-            "finish_reason": finish,
+            "finish_reason": tool_finish_reason(finish, called, tools),
             "stop_reason": stop_reason,
         })
     return {"id": meta.id, "object": "chat.completion", "created": meta.created,
             "model": meta.model, "choices": out, "usage": collected.usage}
-

@@ -15,6 +15,8 @@ __all__ = [
     "ChatMessageIn",
     "CompletionRequest",
     "DetokenizeRequest",
+    "ToolCallIn",
+    "ToolIn",
     "StreamOptions",
     "TokenizeRequest",
 ]
@@ -71,10 +73,35 @@ class CompletionRequest(_Sampling, kw_only=True):
     add_special_tokens: bool = True
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message's
+
+
+class FunctionIn(msgspec.Struct, kw_only=True):
+    name: Any = None  # checked in translate, with the message naming the tool
+    description: Any = None
+    parameters: Any = None
+    strict: bool | None = None  # every call is grammar-exact anyway
+
+
+class ToolIn(msgspec.Struct, kw_only=True):
+    function: FunctionIn
+    type: str = "function"
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -82,8 +109,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolIn] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

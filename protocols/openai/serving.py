@@ -140,12 +140,24 @@ async def chat_completions(raw: bytes | dict | ChatCompletionRequest, models: Mo
                                f"request", "n")
     meta = ChunkMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name,
                      n=body.n)
-    events = await _start(engine, [chat_request(body, name, meta.id)], echo=False,
-                          stream=body.stream)
+    request, tools = chat_request(body, name, meta.id)
+    if tools.mode != "none":
+        await _check_controllers(models, name)
+    events = await _start(engine, [request], echo=False, stream=body.stream)
     if body.stream:
         return sse(chat_chunks(events, meta, choices=body.n, logprobs=body.logprobs,
-                               usage=_usage_mode(body.stream_options)))
-    return chat_response(await collect(events, body.n), meta, logprobs=body.logprobs)
+                               usage=_usage_mode(body.stream_options), tools=tools))
+    return chat_response(await collect(events, body.n), meta, logprobs=body.logprobs,
+                         tools=tools)
+
+
+async def _check_controllers(models: ModelDirectory, name: str) -> None:
+    """Tool calls are held to their schemas by a grammar controller: a model whose engine runs
+    none is refused here, naming ``tools`` (the engine would name ``controller``)."""
+    info = await models.info(name)
+    if info.capabilities.controllers == "none":
+        raise OpenAIError(400, f"tool calling needs a grammar controller, which the "
+                               f"{info.engine} engine serving {name} does not run", "tools")
 
 
 async def tokenize(raw: bytes, models: ModelDirectory) -> dict:

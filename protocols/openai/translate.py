@@ -5,6 +5,7 @@ Every refusal is an :class:`OpenAIError` (400) naming the offending parameter.
 
 from __future__ import annotations
 
+import json
 from typing import TypeVar
 
 import msgspec
@@ -19,6 +20,8 @@ from protocols.internal import (
     Sampling,
     TextPrompt,
     TokenPrompt,
+    ToolCall,
+    ToolDefinition,
 )
 from protocols.jsonbody import BodyError, decode_json
 from protocols.openai.errors import OpenAIError
@@ -26,13 +29,16 @@ from protocols.openai.schemas import (
     ChatCompletionRequest,
     ChatMessageIn,
     CompletionRequest,
+    ToolCallIn,
     _Sampling,
 )
+from protocols.tools import MAX_TOOLS, ToolChoice, tool_definition, tools_controller
 
 __all__ = [
     "COMPLETION_DEFAULT_MAX_TOKENS",
     "chat_messages",
     "chat_request",
+    "chat_tools",
     "completion_requests",
     "decode_body",
 ]
@@ -210,43 +216,125 @@ def _prompts(prompt, add_special_tokens: bool) -> list[TextPrompt | TokenPrompt]
         "token-id lists", "prompt")
 
 
-def chat_messages(messages: list[ChatMessageIn]) -> tuple[ChatMessage, ...]:
+def chat_messages(messages: list[ChatMessageIn],
+                  tool_names: frozenset[str] | None = None) -> tuple[ChatMessage, ...]:
+    """The conversation; with ``tool_names``, every call in it must name one of those tools,
+    and every tool message must answer a call made before it."""
     _check(len(messages) > 0, "messages must not be empty", "messages")
+    calls: dict[str, str] = {}  # call id -> function name, as the history made them
     result = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                kind = part.get("type")
-                _check(kind == "text" and isinstance(part.get("text"), str),
-                       f"content part of type {kind!r} is not supported by this text-only model",
-                       "messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        result.append(ChatMessage(role=message.role, content=content or ""))
+    for i, message in enumerate(messages):
+        tool_calls = tuple(_history_call(f"messages[{i}].tool_calls[{j}]", call, tool_names)
+                           for j, call in enumerate(message.tool_calls or ()))
+        calls.update((c.id, c.name) for c in tool_calls)
+        name = message.name
+        if message.role == "tool":
+            _check(message.tool_call_id in calls, f"messages[{i}] has role 'tool' but answers "
+                   f"tool_call_id {message.tool_call_id!r}, which no earlier assistant message "
+                   "called", "messages")
+            name = calls[message.tool_call_id]
+        result.append(ChatMessage(role=message.role, content=_text_content(message.content),
+                                  tool_calls=tool_calls, tool_call_id=message.tool_call_id,
+                                  name=name if message.role == "tool" else None))
     return tuple(result)
 
 
-def chat_request(body: ChatCompletionRequest, model: str, request_id: str) -> GenerateRequest:
-    tools_requested = body.tools and body.tool_choice != "none"
-    _check(not tools_requested, "tool calling is not supported by this gateway", "tools")
+def _text_content(content: str | list[dict] | None) -> str:
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        _check(kind == "text" and isinstance(part.get("text"), str),
+               f"content part of type {kind!r} is not supported by this text-only model",
+               "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _history_call(where: str, call: ToolCallIn, tool_names: frozenset[str] | None) -> ToolCall:
+    _check(call.type == "function", f"{where}.type must be 'function'", "messages")
+    _check(tool_names is None or call.function.name in tool_names,
+           f"{where} calls {call.function.name!r}, which is not among the tools", "messages")
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise OpenAIError(400, f"{where}.function.arguments is not JSON", "messages") from None
+    _check(isinstance(arguments, dict), f"{where}.function.arguments is not a JSON object",
+           "messages")
+    return ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)
+
+
+def chat_tools(body: ChatCompletionRequest) -> tuple[tuple[ToolDefinition, ...], ToolChoice]:
+    """The tools offered and how the model may use them (docs/protocols/tools.md)."""
+    tools = body.tools or []
+    _check(len(tools) <= MAX_TOOLS, f"at most {MAX_TOOLS} tools are allowed", "tools")
+    definitions = []
+    for i, tool in enumerate(tools):
+        _check(tool.type == "function", f"tools[{i}].type {tool.type!r} is not supported; use "
+               "'function'", "tools")
+        f = tool.function
+        try:
+            definitions.append(tool_definition(f.name, f.description, f.parameters,
+                                               f"tools[{i}].function"))
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "tools") from None
+    names = [t.name for t in definitions]
+    _check(len(set(names)) == len(names), "tools must have distinct names", "tools")
+    return tuple(definitions), _tool_choice(body.tool_choice, bool(definitions))
+
+
+def _tool_choice(raw: str | dict | None, has_tools: bool) -> ToolChoice:
+    if raw is None:
+        return ToolChoice(mode="auto" if has_tools else "none")
+    if isinstance(raw, dict) and raw.get("type") == "function" \
+            and isinstance(raw.get("function"), dict):
+        raw, name = "function", raw["function"].get("name")
+    elif raw in ("none", "auto", "required"):
+        name = None
+    else:
+        raise OpenAIError(400, "tool_choice is 'none', 'auto', 'required' or {\"type\": "
+                               "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    _check(has_tools or raw == "none", "tool_choice needs tools", "tool_choice")
+    return ToolChoice(mode=raw, name=name)
+
+
+def chat_request(body: ChatCompletionRequest, model: str,
+                 request_id: str) -> tuple[GenerateRequest, ToolChoice]:
+    """The internal request, and how its choices' text is read back (plain, or tool calls)."""
+    tools, choice = chat_tools(body)
     _check(body.top_logprobs is None or body.logprobs,
            "top_logprobs requires logprobs to be true", "top_logprobs")
     _check(body.top_logprobs is None or 0 <= body.top_logprobs <= 20,
            "top_logprobs must be in [0, 20]", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return GenerateRequest(
+    request = GenerateRequest(
         request_id=request_id,
         model=model,
         prompt=ChatPrompt(
-            messages=chat_messages(body.messages),
+            messages=chat_messages(body.messages, frozenset(t.name for t in tools) or None),
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            tools=tools if choice.mode != "none" else (),
         ),
         sampling=_sampling(body, max_tokens),
         output=_output(body, logprobs),
         priority=body.priority,
-        controller=_controller(body, body.response_format),
+        controller=_chat_controller(body, tools, choice),
     )
+    return request, choice
+
+
+def _chat_controller(body: ChatCompletionRequest, tools: tuple[ToolDefinition, ...],
+                     choice: ToolChoice) -> ControllerSpec | None:
+    if choice.mode == "none":
+        return _controller(body, body.response_format)
+    _check(body.controller is None, "tools and controller cannot be combined", "controller")
+    _check((body.response_format or {}).get("type", "text") == "text",
+           "response_format cannot be combined with tools", "response_format")
+    try:
+        return tools_controller(tools, choice, body.parallel_tool_calls)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), "tool_choice" if choice.mode == "function" else "tools") \
+            from None

@@ -75,6 +75,25 @@ def test_controllers_on_the_pipeline_kind_with_the_openai_sdk_and_tgi(pipeline_u
     assert re.fullmatch(r"[0-9]{2,4}", tgi.json()["generated_text"]), tgi.json()
 
 
+def test_tool_calls_on_the_pipeline_kind_validate(pipeline_url):
+    """Tool calling rides the same controller hook on the split model (docs/protocols/tools.md);
+    oracle: the function's schema."""
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{pipeline_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+              "required": ["city"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model=PIPELINE_MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": schema}}],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0)
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1, out
+    assert calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+
+
 async def test_lmtp_generate_and_score(pipeline_url, reference):
     url = pipeline_url.replace("http://", "ws://") + "/"
     async with websockets.connect(url) as ws:

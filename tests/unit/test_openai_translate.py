@@ -35,10 +35,10 @@ def test_chat_defaults_and_logprobs():
     body = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                             "top_logprobs": 3, "max_tokens": 5, "max_completion_tokens": 9},
                            ChatCompletionRequest)
-    req = chat_request(body, "m", "rid")
+    req, _ = chat_request(body, "m", "rid")
     assert req.sampling.max_tokens == 9  # max_completion_tokens wins
     assert req.output.logprobs == 3
-    plain = chat_request(msgspec.convert({"messages": [{"role": "user", "content": "hi"}]},
+    plain, _ = chat_request(msgspec.convert({"messages": [{"role": "user", "content": "hi"}]},
                                          ChatCompletionRequest), "m", "rid")
     assert plain.sampling.max_tokens is None  # up to the context limit
     assert plain.output.logprobs is None

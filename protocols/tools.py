@@ -1,0 +1,192 @@
+"""Tool calling shared by the protocols that offer it (docs/protocols/tools.md).
+
+Each protocol reads its own wire shape into :class:`~protocols.internal.ToolDefinition` s and a
+:class:`ToolChoice`; from those this module builds the grammar that makes every call the model
+writes valid (``tools_controller``, run by the engine's ``llguidance`` controller), and reads
+the calls back out of the generated text (:class:`ToolCallReader`), in one pass for a whole
+response or piece by piece for a stream.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Literal
+
+import jsonschema
+import msgspec
+
+from protocols.controllers import grammar_controller
+from protocols.internal import (
+    TOOL_CALL_OPEN,
+    TOOL_CALL_TAIL,
+    ControllerSpec,
+    ToolDefinition,
+    tool_call_head,
+)
+
+__all__ = ["MAX_TOOLS", "ArgumentsPiece", "CallStart", "TextPiece", "ToolCallReader", "ToolChoice",
+           "new_call_id", "tool_definition", "tools_controller"]
+
+MAX_TOOLS = 128  # OpenAI's own bound on one request's tools
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Arguments as one line of JSON with ", " and ": " (no newline can end a call early); oneOf is
+# read as anyOf, as most tool schemas mean it.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                 "coerce_one_of": True}
+
+
+class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """``none``: no tools offered; ``auto``: text or calls, the model's choice; ``required``: at
+    least one call; ``function``: a call of ``name``."""
+
+    mode: Literal["none", "auto", "required", "function"] = "auto"
+    name: str | None = None
+
+
+def tool_definition(name: Any, description: Any, parameters: Any, where: str) -> ToolDefinition:
+    """A tool as the internal model holds it; ``ValueError`` naming ``where`` if it is not one."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{where}: a function name is 1 to 64 letters, digits, '_' or '-'; "
+                         f"got {name!r}")
+    if description is not None and not isinstance(description, str):
+        raise ValueError(f"{where}: description must be a string")
+    schema = {"type": "object", "properties": {}} if parameters is None else parameters
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where}: parameters must be a JSON schema object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"{where}: parameters is not a valid JSON schema: {exc.message}") from None
+    return ToolDefinition(name=name, description=description or "", parameters=json.dumps(schema))
+
+
+def tools_controller(tools: tuple[ToolDefinition, ...], choice: ToolChoice,
+                     parallel: bool) -> ControllerSpec | None:
+    """The grammar controller for ``choice`` over ``tools`` (None for ``none``): a call is the
+    markup of ``protocols.internal`` around arguments valid against the function's schema;
+    ``auto`` also admits any text that does not start like a call."""
+    if choice.mode == "none" or not tools:
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
+    names = [t.name for t in tools]
+    if choice.mode == "function" and choice.name not in names:
+        raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
+    offered = [t for t in tools if choice.mode != "function" or t.name == choice.name]
+    rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(offered)))}"]
+    for i, tool in enumerate(offered):
+        schema = {**json.loads(tool.parameters), "x-guidance": _JSON_OPTIONS}
+        rules.append(f"call_{i}: {_lark_string(tool_call_head(tool.name))} args_{i} "
+                     f"{_lark_string(TOOL_CALL_TAIL)}")
+        rules.append(f"args_{i}: %json {json.dumps(schema)}")
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    start = f"start: TEXT | {calls}" if choice.mode == "auto" else f"start: {calls}"
+    text = [f"TEXT: /{_not_starting_with(TOOL_CALL_OPEN)}/"] if choice.mode == "auto" else []
+    return grammar_controller({"lark_grammar": "\n".join([start, *rules, *text])})
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a valid Lark string literal
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex_char(char: str) -> str:
+    if char == "\n":
+        return "\\n"
+    return "\\" + char if char in _REGEX_META else char
+
+
+def _not_starting_with(prefix: str) -> str:
+    """A regex (Rust syntax) for every text that does not start with ``prefix``: a proper
+    prefix of it, or its first ``i`` characters followed by anything but its next one."""
+    heads = ["".join(_regex_char(c) for c in prefix[:i]) for i in range(len(prefix))]
+    diverging = [f"{head}[^{_regex_char(prefix[i])}](.|\\n)*" for i, head in enumerate(heads)]
+    return "|".join([f"({'|'.join(heads)})", *diverging])
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class TextPiece(msgspec.Struct, frozen=True):
+    text: str
+
+
+class CallStart(msgspec.Struct, frozen=True):
+    index: int
+    id: str
+    name: str
+
+
+class ArgumentsPiece(msgspec.Struct, frozen=True):
+    index: int
+    text: str
+
+
+Piece = TextPiece | CallStart | ArgumentsPiece
+
+
+class ToolCallReader:
+    """Reads the text of one choice as it grows into text and calls. Under ``auto`` the text is
+    held back while it could still be the start of a call; a call's arguments are released as
+    they come, less the characters that could be its closing markup."""
+
+    def __init__(self, calls_only: bool) -> None:
+        self.mode: Literal["undecided", "text", "calls"] = "calls" if calls_only else "undecided"
+        self.buffer = ""
+        self.calls = 0
+        self.in_arguments = False
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buffer += text
+        if self.mode == "undecided":
+            if self.buffer.startswith(TOOL_CALL_OPEN):
+                self.mode = "calls"
+            elif not TOOL_CALL_OPEN.startswith(self.buffer):
+                self.mode = "text"
+        if self.mode == "text":
+            out, self.buffer = self.buffer, ""
+            return [TextPiece(out)] if out else []
+        return self._read_calls(final=False) if self.mode == "calls" else []
+
+    def finish(self) -> list[Piece]:
+        """What is left at the end: held-back text, or the arguments of a cut-off call."""
+        pieces = self._read_calls(final=True) if self.mode == "calls" else []
+        out, self.buffer = self.buffer, ""  # text, or a call cut off before its arguments
+        return [*pieces, TextPiece(out)] if out else pieces
+
+    def _read_calls(self, final: bool) -> list[Piece]:
+        pieces: list[Piece] = []
+        while True:
+            if not self.in_arguments:
+                self.buffer = self.buffer.removeprefix("\n")  # between two calls
+                start = _call_start(self.buffer)
+                if start is None:
+                    return pieces
+                name, length = start
+                pieces.append(CallStart(self.calls, new_call_id(), name))
+                self.buffer, self.in_arguments = self.buffer[length:], True
+            end = self.buffer.find(TOOL_CALL_TAIL)
+            if end < 0:
+                keep = 0 if final else len(TOOL_CALL_TAIL)
+                released = self.buffer[:max(0, len(self.buffer) - keep)]
+                self.buffer = self.buffer[len(released):]
+                if released:
+                    pieces.append(ArgumentsPiece(self.calls, released))
+                return pieces
+            if end:
+                pieces.append(ArgumentsPiece(self.calls, self.buffer[:end]))
+            self.buffer = self.buffer[end + len(TOOL_CALL_TAIL):]
+            self.in_arguments, self.calls = False, self.calls + 1
+
+
+_HEAD = re.compile(re.escape(TOOL_CALL_OPEN) + r'\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+
+
+def _call_start(buffer: str) -> tuple[str, int] | None:
+    match = _HEAD.match(buffer)
+    return (match.group(1), match.end()) if match else None
