@@ -155,9 +155,11 @@ class ToolCallReader:
 
     def finish(self) -> list[Piece]:
         """What is left at the end: held-back text, or the arguments of a cut-off call."""
-        pieces = self._read_calls(final=True) if self.mode == "calls" else []
-        out, self.buffer = self.buffer, ""  # text, or a call cut off before its arguments
-        return [*pieces, TextPiece(out)] if out else pieces
+        if self.mode == "calls":  # what is left is the markup of a call cut off in its head
+            pieces, self.buffer = self._read_calls(final=True), ""
+            return pieces
+        out, self.buffer = self.buffer, ""
+        return [TextPiece(out)] if out else []
 
     def _read_calls(self, final: bool) -> list[Piece]:
         pieces: list[Piece] = []

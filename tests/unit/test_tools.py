@@ -165,6 +165,14 @@ def test_the_reader_gives_the_same_calls_however_the_text_is_cut(calls_only):
         assert args == [a for _, a in whole[1]], cut
 
 
+def test_a_call_cut_off_in_its_head_leaves_no_markup_behind():
+    for calls_only in (True, False):
+        reader = ToolCallReader(calls_only)
+        assert [*reader.feed(CALL[:20]), *reader.finish()] == []
+    reader = ToolCallReader(calls_only=False)
+    assert [*reader.feed("<tool"), *reader.finish()] == [TextPiece("<tool")]  # text, not a call
+
+
 def test_the_reader_keeps_a_call_cut_off_by_the_token_limit():
     reader = ToolCallReader(calls_only=True)
     pieces = [*reader.feed(CALL[:60]), *reader.finish()]
