@@ -1,7 +1,8 @@
 """API keys: who may call, and how much (requests per second, tokens per minute, per key).
 
 :class:`KeyAuth` is the ASGI middleware that checks the key on every route but the probes
-(``Authorization: Bearer <key>``, any case of the scheme, or ``api-key: <key>``; websockets may
+(``Authorization: Bearer <key>``, any case of the scheme, ``api-key: <key>`` or Anthropic's
+``x-api-key: <key>``; websockets may
 give ``?api_key=`` instead, because LMQL's LMTP client sends no headers), refuses a key over
 its request rate with 429, and makes the caller's :class:`KeyState` the current one for the
 request. Token budgets are charged where the tokens are known: :class:`MeteredEngine` wraps
@@ -119,6 +120,8 @@ class KeyAuth:
         presented = [credentials.strip()] if scheme.lower() == b"bearer" else []
         if b"api-key" in headers:  # AICI's pyaici (and Azure OpenAI's clients) send this
             presented.append(headers[b"api-key"].strip())
+        if b"x-api-key" in headers:  # Anthropic's clients send this
+            presented.append(headers[b"x-api-key"].strip())
         if scope["type"] == "websocket":
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             presented += [k.encode() for k in query.get("api_key", [])]

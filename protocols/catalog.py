@@ -20,6 +20,7 @@ PROTOCOLS: dict[str, str] = {
     "lmi": "protocols.lmi.spec",
     "tgi": "protocols.tgi.spec",
     "aici": "protocols.aici.spec",
+    "anthropic": "protocols.anthropic.spec",
 }
 
 

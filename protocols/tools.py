@@ -108,8 +108,8 @@ def _not_starting_with(prefix: str) -> str:
     return "|".join([f"({'|'.join(heads)})", *diverging])
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(prefix: str = "call_") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 class TextPiece(msgspec.Struct, frozen=True):
@@ -135,7 +135,8 @@ class ToolCallReader:
     held back while it could still be the start of a call; a call's arguments are released as
     they come, less the characters that could be its closing markup."""
 
-    def __init__(self, calls_only: bool) -> None:
+    def __init__(self, calls_only: bool, id_prefix: str = "call_") -> None:
+        self.id_prefix = id_prefix  # each call's id: OpenAI's call_..., Anthropic's toolu_...
         self.mode: Literal["undecided", "text", "calls"] = "calls" if calls_only else "undecided"
         self.buffer = ""
         self.calls = 0
@@ -170,7 +171,7 @@ class ToolCallReader:
                 if start is None:
                     return pieces
                 name, length = start
-                pieces.append(CallStart(self.calls, new_call_id(), name))
+                pieces.append(CallStart(self.calls, new_call_id(self.id_prefix), name))
                 self.buffer, self.in_arguments = self.buffer[length:], True
             end = self.buffer.find(TOOL_CALL_TAIL)
             if end < 0:

@@ -1,0 +1,169 @@
+"""Internal events → Anthropic's Message, whole or as its stream of server-sent events
+(``message_start``, per content block ``content_block_start`` / ``_delta`` / ``_stop``,
+``message_delta``, ``message_stop``; ``error`` mid-stream). docs/protocols/anthropic.md."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from protocols.anthropic.errors import error_body, from_event
+from protocols.internal import (
+    BacktrackEvent,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    ForkEvent,
+    PromptEvent,
+    TokenEvent,
+    splice_refusal,
+)
+from protocols.streams import fold_splices
+from protocols.tools import ArgumentsPiece, CallStart, Piece, TextPiece, ToolCallReader, ToolChoice
+
+__all__ = ["MessageMeta", "message_events", "message_response", "sse"]
+
+
+@dataclass(frozen=True)
+class MessageMeta:
+    id: str
+    model: str
+    tools: ToolChoice
+
+
+def _reader(tools: ToolChoice) -> ToolCallReader | None:
+    if tools.mode == "none":
+        return None
+    return ToolCallReader(calls_only=tools.mode in ("required", "function"), id_prefix="toolu_")
+
+
+def _stop(final: FinalEvent, called: bool) -> tuple[str, str | None]:
+    """``stop_reason`` and ``stop_sequence``."""
+    if final.finish_reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if final.finish_reason == "stop_sequence" and isinstance(final.stop_reason, str):
+        return "stop_sequence", final.stop_reason
+    return "end_turn", None
+
+
+def _pieces(reader: ToolCallReader | None, text: str, final: bool = False) -> list[Piece]:
+    if reader is None:
+        return [TextPiece(text)] if text else []
+    return [*reader.feed(text), *(reader.finish() if final else [])]
+
+
+async def message_response(events: AsyncIterator[Event], meta: MessageMeta) -> dict[str, Any]:
+    """The whole Message; an error event raises. A call cut off by ``max_tokens`` is left out
+    (its input would not be an object)."""
+    reader, pieces, final, output = _reader(meta.tools), [], None, 0
+    async for event in fold_splices(events):
+        if isinstance(event, ErrorEvent):
+            raise from_event(event)
+        if isinstance(event, TokenEvent):
+            output += 1
+            pieces += _pieces(reader, event.text)
+        elif isinstance(event, FinalEvent):
+            final = event
+            pieces += _pieces(reader, event.text, final=True)
+    assert final is not None  # the stream contract: a FinalEvent ends every choice
+    content: list[dict[str, Any]] = []
+    text = "".join(p.text for p in pieces if isinstance(p, TextPiece))
+    if text:
+        content.append({"type": "text", "text": text})
+    calls: dict[int, list] = {}
+    for piece in pieces:
+        if isinstance(piece, CallStart):
+            calls[piece.index] = [piece, ""]
+        elif isinstance(piece, ArgumentsPiece):
+            calls[piece.index][1] += piece.text
+    for start, arguments in calls.values():
+        try:
+            content.append({"type": "tool_use", "id": start.id, "name": start.name,
+                            "input": json.loads(arguments)})
+        except ValueError:
+            continue  # cut off by max_tokens
+    stop_reason, stop_sequence = _stop(final, bool(calls))
+    return {"id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": final.usage.prompt_tokens, "output_tokens": output}}
+
+
+class _Blocks:
+    """The stream's content blocks: one open at a time, a new one when the kind changes."""
+
+    def __init__(self) -> None:
+        self.index, self.open_kind, self.called = -1, None, False
+
+    def events(self, piece: Piece) -> list[tuple[str, dict]]:
+        out: list[tuple[str, dict]] = []
+        if isinstance(piece, TextPiece):
+            if self.open_kind != "text":
+                out += self.close()
+                out.append(self._start({"type": "text", "text": ""}, "text"))
+            delta = {"type": "text_delta", "text": piece.text}
+        elif isinstance(piece, CallStart):
+            self.called = True
+            out += self.close()
+            return [*out, self._start({"type": "tool_use", "id": piece.id, "name": piece.name,
+                                       "input": {}}, "tool_use")]
+        else:
+            delta = {"type": "input_json_delta", "partial_json": piece.text}
+        return [*out, ("content_block_delta", {"type": "content_block_delta",
+                                               "index": self.index, "delta": delta})]
+
+    def _start(self, block: dict, kind: str) -> tuple[str, dict]:
+        self.index, self.open_kind = self.index + 1, kind
+        return "content_block_start", {"type": "content_block_start", "index": self.index,
+                                       "content_block": block}
+
+    def close(self) -> list[tuple[str, dict]]:
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+
+async def message_events(events: AsyncIterator[Event],
+                         meta: MessageMeta) -> AsyncIterator[tuple[str, dict]]:
+    """The Message as Anthropic's stream events. The first event is the prompt's (the request
+    asked for it), so ``message_start`` carries the input tokens."""
+    reader, blocks, output, started = _reader(meta.tools), _Blocks(), 0, False
+    async for event in events:
+        if not started:
+            started = True
+            prompt = len(event.tokens) if isinstance(event, PromptEvent) else 0
+            yield "message_start", {"type": "message_start", "message": {
+                "id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": prompt, "output_tokens": 0}}}
+        if isinstance(event, (ErrorEvent, BacktrackEvent, ForkEvent)):
+            exc = from_event(event if isinstance(event, ErrorEvent) else splice_refusal(event))
+            yield "error", error_body(exc.status, exc.message)
+            return
+        if isinstance(event, TokenEvent):
+            output += 1
+            for piece in _pieces(reader, event.text):
+                for item in blocks.events(piece):
+                    yield item
+        elif isinstance(event, FinalEvent):
+            for piece in _pieces(reader, event.text, final=True):
+                for item in blocks.events(piece):
+                    yield item
+            for item in blocks.close():
+                yield item
+            stop_reason, stop_sequence = _stop(event, blocks.called)
+            yield "message_delta", {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": {"input_tokens": event.usage.prompt_tokens, "output_tokens": output}}
+            yield "message_stop", {"type": "message_stop"}
+
+
+async def sse(items: AsyncIterator[tuple[str, dict]]) -> AsyncIterator[bytes]:
+    """``event: <type>`` and ``data: <json>`` per event, as Anthropic's API writes them."""
+    async for name, data in items:
+        yield (f"event: {name}\ndata: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode()

@@ -1,0 +1,42 @@
+"""Anthropic's error body: ``{"type": "error", "error": {"type": ..., "message": ...}}``, with
+the statuses its API answers (docs/protocols/anthropic.md)."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from protocols.errors import ProtocolError
+from protocols.internal import ErrorEvent
+
+__all__ = ["AnthropicError", "error_body", "from_event", "route_error"]
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+          500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+_STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": 429,
+                   "unavailable": 503, "engine": 500}
+
+
+class AnthropicError(ProtocolError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message), status_code=self.status)
+
+
+def error_body(status: int, message: str) -> dict:
+    error_type = _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def route_error(status: int, message: str) -> JSONResponse:
+    """An HTTP-level error (no route, wrong method, body too large, ...) on a Messages path."""
+    return AnthropicError(status, message).response()
+
+
+def from_event(event: ErrorEvent) -> AnthropicError:
+    where = f" ({event.param})" if event.param else ""
+    return AnthropicError(_STATUS_OF_KIND[event.kind], event.message + where)

@@ -1,0 +1,66 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (whole or streamed) and
+``POST /v1/messages/count_tokens`` (docs/protocols/anthropic.md). Streams are peeked, so a
+refused request gets its status, not a 200 stream carrying an error."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from protocols.anthropic.encode import MessageMeta, message_events, message_response, sse
+from protocols.anthropic.errors import AnthropicError, from_event
+from protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
+from protocols.anthropic.translate import chat_prompt, decode_body, messages_request
+from protocols.contract import EngineClient, ModelDirectory
+from protocols.internal import ModelNotFound, ModelRequired
+from protocols.streams import peek
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+def _resolve(models: ModelDirectory, name: str | None) -> tuple[str, EngineClient]:
+    try:
+        return models.resolve(name)
+    except ModelNotFound as exc:
+        raise AnthropicError(404, f"model: {exc}") from None
+    except ModelRequired as exc:
+        raise AnthropicError(400, f"model: {exc}") from None
+
+
+async def _check_controllers(models: ModelDirectory, name: str) -> None:
+    info = await models.info(name)
+    if info.capabilities.controllers == "none":
+        raise AnthropicError(400, f"tools: tool use needs a grammar controller, which the "
+                                  f"{info.engine} engine serving {name} does not run")
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Response:
+    body = decode_body(await request.body(), MessagesRequest)
+    models: ModelDirectory = request.app.state.registry
+    name, engine = _resolve(models, body.model)
+    meta_id = f"msg_{uuid.uuid4().hex[:24]}"
+    internal, tools = messages_request(body, name, meta_id)
+    if internal.controller is not None:
+        await _check_controllers(models, name)
+    peeked = await peek(engine.generate(internal))
+    if peeked.error is not None:
+        raise from_event(peeked.error)
+    meta = MessageMeta(id=meta_id, model=name, tools=tools)
+    headers = {"request-id": meta_id}
+    if body.stream:
+        return StreamingResponse(sse(message_events(aiter(peeked), meta)),
+                                 media_type="text/event-stream", headers=headers)
+    return JSONResponse(await message_response(aiter(peeked), meta), headers=headers)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict:
+    body = decode_body(await request.body(), CountTokensRequest)
+    _, engine = _resolve(request.app.state.registry, body.model)
+    prompt, _, _ = chat_prompt(body)
+    return {"input_tokens": len(await engine.tokenize(prompt))}

@@ -1,0 +1,180 @@
+"""Anthropic Messages bodies → the internal request (docs/protocols/anthropic.md).
+
+Content blocks: ``text`` anywhere, ``tool_use`` in assistant turns (→ the message's
+``tool_calls``), ``tool_result`` in user turns (→ ``tool`` messages, before the turn's text);
+anything else (images, documents, thinking) is refused with a 400 naming the block.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import msgspec
+
+from protocols.anthropic.errors import AnthropicError
+from protocols.anthropic.schemas import MessagesRequest, ToolIn, _Conversation
+from protocols.internal import (
+    ChatMessage,
+    ChatPrompt,
+    GenerateRequest,
+    OutputOptions,
+    Sampling,
+    ToolCall,
+    ToolDefinition,
+)
+from protocols.jsonbody import BodyError, decode_json
+from protocols.tools import MAX_TOOLS, ToolChoice, tool_definition, tools_controller
+
+__all__ = ["chat_prompt", "decode_body", "messages_request"]
+
+T = TypeVar("T")
+
+
+def decode_body(raw: bytes, schema: type[T]) -> T:
+    if not raw.strip():
+        raise AnthropicError(400, "request body is empty; expected a JSON object")
+    try:
+        return decode_json(raw, schema)
+    except msgspec.ValidationError as exc:
+        raise AnthropicError(400, f"invalid request: {exc}") from None
+    except BodyError as exc:
+        raise AnthropicError(400, f"malformed JSON body: {exc}") from None
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise AnthropicError(400, message)
+
+
+def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    for i, block in enumerate(blocks):
+        _check(block.get("type") == "text" and isinstance(block.get("text"), str),
+               f"{where}.{i}: only text blocks are supported here, got {block.get('type')!r}")
+    return "\n".join(block["text"] for block in blocks)
+
+
+def _tools(tools: list[ToolIn] | None) -> tuple[ToolDefinition, ...]:
+    tools = tools or []
+    _check(len(tools) <= MAX_TOOLS, f"tools: at most {MAX_TOOLS} tools are allowed")
+    out = []
+    for i, tool in enumerate(tools):
+        _check(tool.type in (None, "custom"), f"tools.{i}: tool type {tool.type!r} is not "
+               "supported (only client tools: name, description, input_schema)")
+        _check(tool.input_schema is not None, f"tools.{i}.input_schema: Field required")
+        try:
+            out.append(tool_definition(tool.name, tool.description, tool.input_schema,
+                                       f"tools.{i}"))
+        except ValueError as exc:
+            raise AnthropicError(400, str(exc)) from None
+    names = [t.name for t in out]
+    _check(len(set(names)) == len(names), "tools: tool names must be unique")
+    return tuple(out)
+
+
+def _tool_choice(raw: dict[str, Any] | None, has_tools: bool) -> tuple[ToolChoice, bool]:
+    """The choice, and whether several calls may come in one turn."""
+    if raw is None:
+        return ToolChoice(mode="auto" if has_tools else "none"), True
+    kind = raw.get("type")
+    mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}.get(kind)
+    _check(mode is not None, "tool_choice.type: one of 'auto', 'any', 'tool' or 'none'")
+    _check(has_tools or mode == "none", "tool_choice: requires tools")
+    _check(mode != "function" or isinstance(raw.get("name"), str), "tool_choice.name: Field "
+           "required for type 'tool'")
+    parallel = not raw.get("disable_parallel_tool_use", False)
+    return ToolChoice(mode=mode, name=raw.get("name") if mode == "function" else None), parallel
+
+
+def _turn(i: int, message, calls: dict[str, str],
+          names: frozenset[str] | None) -> list[ChatMessage]:
+    """One Anthropic turn as internal messages: a user turn's tool results (one ``tool``
+    message each) before its text; an assistant turn's text with its calls."""
+    where = f"messages.{i}"
+    _check(message.role in ("user", "assistant"), f"{where}.role: 'user' or 'assistant', got "
+           f"{message.role!r}")
+    if isinstance(message.content, str):
+        return [ChatMessage(role=message.role, content=message.content)]
+    texts, tool_calls, results = [], [], []
+    for j, block in enumerate(message.content):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and message.role == "assistant":
+            tool_calls.append(_history_call(f"{where}.content.{j}", block, names))
+            calls[tool_calls[-1].id] = tool_calls[-1].name
+        elif kind == "tool_result" and message.role == "user":
+            results.append(_result(f"{where}.content.{j}", block, calls))
+        else:
+            raise AnthropicError(400, f"{where}.content.{j}: a {kind!r} block is not supported "
+                                      f"in a {message.role} turn by this text-only gateway")
+    text = "\n".join(texts)
+    if message.role == "assistant":
+        return [ChatMessage(role="assistant", content=text, tool_calls=tuple(tool_calls))]
+    return [*results, *([ChatMessage(role="user", content=text)] if texts else [])]
+
+
+def _history_call(where: str, block: dict, names: frozenset[str] | None) -> ToolCall:
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
+    _check(isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, dict),
+           f"{where}: a tool_use block has a string id and name and an object input")
+    _check(names is None or name in names, f"{where}: calls {name!r}, which is not among the tools")
+    return ToolCall(id=call_id, name=name, arguments=json.dumps(arguments))
+
+
+def _result(where: str, block: dict, calls: dict[str, str]) -> ChatMessage:
+    call_id = block.get("tool_use_id")
+    _check(call_id in calls, f"{where}: tool_result answers tool_use_id {call_id!r}, which no "
+           "earlier tool_use block made")
+    content = _text_of(block.get("content") or "", f"{where}.content")
+    if block.get("is_error"):
+        content = f"Error: {content}"
+    return ChatMessage(role="tool", content=content, tool_call_id=call_id, name=calls[call_id])
+
+
+def chat_prompt(body: _Conversation) -> tuple[ChatPrompt, ToolChoice, bool]:
+    """The conversation as the engine renders it, the tool choice, and whether parallel calls
+    are allowed. A last assistant turn is a prefill the model continues, as Anthropic's is."""
+    _check(body.thinking is None or body.thinking.get("type") == "disabled",
+           "thinking: extended thinking is not supported by this gateway")
+    _check(len(body.messages) > 0, "messages: at least one message is required")
+    tools = _tools(body.tools)
+    choice, parallel = _tool_choice(body.tool_choice, bool(tools))
+    names = frozenset(t.name for t in tools) or None
+    messages = [ChatMessage(role="system", content=_text_of(body.system, "system"))] \
+        if body.system else []
+    calls: dict[str, str] = {}
+    for i, message in enumerate(body.messages):
+        messages += _turn(i, message, calls, names)
+    prefill = body.messages[-1].role == "assistant"
+    prompt = ChatPrompt(messages=tuple(messages), add_generation_prompt=not prefill,
+                        continue_final_message=prefill,
+                        tools=tools if choice.mode != "none" else ())
+    return prompt, choice, parallel
+
+
+def messages_request(body: MessagesRequest, model: str,
+                     request_id: str) -> tuple[GenerateRequest, ToolChoice]:
+    prompt, choice, parallel = chat_prompt(body)
+    _check(body.max_tokens >= 1, "max_tokens: must be at least 1")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    _check(0 <= temperature <= 1, "temperature: must be in [0, 1]")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    _check(0 < top_p <= 1, "top_p: must be in (0, 1]")
+    _check(body.top_k is None or body.top_k >= 0, "top_k: must be >= 0")
+    stops = tuple(s for s in body.stop_sequences or () if s)
+    try:
+        controller = tools_controller(prompt.tools, choice, parallel)
+    except ValueError as exc:
+        raise AnthropicError(400, f"tool_choice: {exc}" if choice.mode == "function"
+                             else f"tools: {exc}") from None
+    request = GenerateRequest(
+        request_id=request_id, model=model, prompt=prompt,
+        sampling=Sampling(temperature=temperature, top_p=top_p, top_k=body.top_k or 0,
+                          max_tokens=body.max_tokens, stop=stops),
+        # A stream's message_start reports the prompt's tokens: the engine says them first.
+        output=OutputOptions(echo=body.stream, splices="append" if body.stream else "retract"),
+        controller=controller)
+    return request, choice
