@@ -16,7 +16,6 @@ from protocols.internal import (
     Event,
     FinalEvent,
     ForkEvent,
-    PromptEvent,
     TokenEvent,
     splice_refusal,
 )
@@ -31,6 +30,7 @@ class MessageMeta:
     id: str
     model: str
     tools: ToolChoice
+    input_tokens: int = 0  # the prompt's, for a stream's message_start
 
 
 def _reader(tools: ToolChoice) -> ToolCallReader | None:
@@ -129,17 +129,15 @@ class _Blocks:
 
 async def message_events(events: AsyncIterator[Event],
                          meta: MessageMeta) -> AsyncIterator[tuple[str, dict]]:
-    """The Message as Anthropic's stream events. The first event is the prompt's (the request
-    asked for it), so ``message_start`` carries the input tokens."""
+    """The Message as Anthropic's stream events."""
     reader, blocks, output, started = _reader(meta.tools), _Blocks(), 0, False
     async for event in events:
         if not started:
             started = True
-            prompt = len(event.tokens) if isinstance(event, PromptEvent) else 0
             yield "message_start", {"type": "message_start", "message": {
                 "id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": prompt, "output_tokens": 0}}}
+                "usage": {"input_tokens": meta.input_tokens, "output_tokens": 0}}}
         if isinstance(event, (ErrorEvent, BacktrackEvent, ForkEvent)):
             exc = from_event(event if isinstance(event, ErrorEvent) else splice_refusal(event))
             yield "error", error_body(exc.status, exc.message)

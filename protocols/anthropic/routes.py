@@ -14,8 +14,8 @@ from protocols.anthropic.errors import AnthropicError, from_event
 from protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
 from protocols.anthropic.translate import chat_prompt, decode_body, messages_request
 from protocols.contract import EngineClient, ModelDirectory
-from protocols.internal import ModelNotFound, ModelRequired
-from protocols.streams import peek
+from protocols.internal import GenerateRequest, ModelNotFound, ModelRequired
+from protocols.streams import Peeked, peek
 
 __all__ = ["router"]
 
@@ -47,15 +47,29 @@ async def messages(request: Request) -> Response:
     internal, tools = messages_request(body, name, meta_id)
     if internal.controller is not None:
         await _check_controllers(models, name)
-    peeked = await peek(engine.generate(internal))
+    headers = {"request-id": meta_id}
+    if not body.stream:
+        peeked = await _started(engine, internal)
+        meta = MessageMeta(id=meta_id, model=name, tools=tools)
+        return JSONResponse(await message_response(aiter(peeked), meta), headers=headers)
+    # message_start reports the prompt's tokens before any is generated: counted once the
+    # request is running (a refused one costs no count; a failed count ends the generation).
+    peeked = await _started(engine, internal)
+    try:
+        prompt_ids = await engine.tokenize(internal.prompt)
+    except BaseException:
+        await peeked.aclose()
+        raise
+    meta = MessageMeta(id=meta_id, model=name, tools=tools, input_tokens=len(prompt_ids))
+    return StreamingResponse(sse(message_events(aiter(peeked), meta)),
+                             media_type="text/event-stream", headers=headers)
+
+
+async def _started(engine: EngineClient, request: GenerateRequest) -> Peeked:
+    peeked = await peek(engine.generate(request))
     if peeked.error is not None:
         raise from_event(peeked.error)
-    meta = MessageMeta(id=meta_id, model=name, tools=tools)
-    headers = {"request-id": meta_id}
-    if body.stream:
-        return StreamingResponse(sse(message_events(aiter(peeked), meta)),
-                                 media_type="text/event-stream", headers=headers)
-    return JSONResponse(await message_response(aiter(peeked), meta), headers=headers)
+    return peeked
 
 
 @router.post("/v1/messages/count_tokens")

@@ -174,7 +174,6 @@ def messages_request(body: MessagesRequest, model: str,
         request_id=request_id, model=model, prompt=prompt,
         sampling=Sampling(temperature=temperature, top_p=top_p, top_k=body.top_k or 0,
                           max_tokens=body.max_tokens, stop=stops),
-        # A stream's message_start reports the prompt's tokens: the engine says them first.
-        output=OutputOptions(echo=body.stream, splices="append" if body.stream else "retract"),
+        output=OutputOptions(splices="append" if body.stream else "retract"),
         controller=controller)
     return request, choice

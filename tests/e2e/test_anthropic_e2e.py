@@ -22,6 +22,9 @@ SCHEMA = {"type": "object", "properties": {
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": SCHEMA}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+# The SDK's create() no longer has sampling arguments; the API (and this gateway) still reads
+# them from the body.
+GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def client(gateway_url):
 
 def test_text_equals_vllms_own_greedy_answer_and_the_stream_accumulates_to_it(client,
                                                                              openai_client):
-    message = client.messages.create(model=MODEL, max_tokens=24, temperature=0, messages=ASK,
+    message = client.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ASK,
                                      system="You are a helpful assistant.")
     oracle = openai_client.chat.completions.create(
         model=MODEL, max_tokens=24, temperature=0,
@@ -39,7 +42,7 @@ def test_text_equals_vllms_own_greedy_answer_and_the_stream_accumulates_to_it(cl
     assert message.content[0].text == oracle.choices[0].message.content
     assert message.usage.input_tokens == oracle.usage.prompt_tokens
     assert message.usage.output_tokens == oracle.usage.completion_tokens
-    with client.messages.stream(model=MODEL, max_tokens=24, temperature=0, messages=ASK,
+    with client.messages.stream(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ASK,
                                 system="You are a helpful assistant.") as stream:
         streamed = stream.get_final_message()
     assert streamed.content[0].text == message.content[0].text
@@ -48,7 +51,7 @@ def test_text_equals_vllms_own_greedy_answer_and_the_stream_accumulates_to_it(cl
 
 
 def test_a_tool_round_trip_with_the_sdk(client):
-    first = client.messages.create(model=MODEL, max_tokens=120, temperature=0, messages=ASK,
+    first = client.messages.create(model=MODEL, max_tokens=120, extra_body=GREEDY, messages=ASK,
                                    tools=[WEATHER], tool_choice={"type": "any",
                                                                  "disable_parallel_tool_use": True})
     assert first.stop_reason == "tool_use", first
@@ -56,7 +59,7 @@ def test_a_tool_round_trip_with_the_sdk(client):
     assert use.name == "get_weather"
     jsonschema.validate(use.input, SCHEMA)
     second = client.messages.create(
-        model=MODEL, max_tokens=40, temperature=0, tools=[WEATHER], tool_choice={"type": "none"},
+        model=MODEL, max_tokens=40, extra_body=GREEDY, tools=[WEATHER], tool_choice={"type": "none"},
         messages=[*ASK, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                 "content": json.dumps({"temperature": 21})}]}])
@@ -65,7 +68,7 @@ def test_a_tool_round_trip_with_the_sdk(client):
 
 
 def test_a_streamed_tool_call_accumulates_to_the_whole_one(client):
-    kwargs = dict(model=MODEL, max_tokens=120, temperature=0, messages=ASK, tools=[WEATHER],
+    kwargs = dict(model=MODEL, max_tokens=120, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
                   tool_choice={"type": "tool", "name": "get_weather",
                                "disable_parallel_tool_use": True})
     whole = client.messages.create(**kwargs)
