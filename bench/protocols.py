@@ -1,4 +1,5 @@
-"""Protocol paths on the same engine, same run: LMTP, MindIE, LMI and TGI vs the OpenAI path.
+"""Protocol paths on the same engine, same run: LMTP, MindIE, LMI, TGI, OpenAI chat and
+Anthropic's Messages vs the OpenAI completions path (and the chat paths against each other).
 
 All drive the same kind of greedy work at the same concurrency against one gateway, alternating
 rounds to cancel drift: prompts are random token ids turned into text and back, so the token
@@ -95,7 +96,7 @@ async def _stream_lines(client: httpx.AsyncClient, path: str, body: dict, prefix
     async with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if not line or not line.startswith(prefix):
+            if not line or not line.startswith(prefix) or line == "data: [DONE]":
                 continue
             if ttft is None:
                 ttft = time.perf_counter() - started
@@ -106,6 +107,21 @@ async def _stream_lines(client: httpx.AsyncClient, path: str, body: dict, prefix
 
 def _generated_tokens(event: dict) -> int | None:
     return (event.get("details") or {}).get("generated_tokens")
+
+
+async def _chat_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt["text"]}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    return await _stream_lines(client, "/v1/chat/completions", body, "data: ",
+                               lambda chunk: (chunk.get("usage") or {}).get("completion_tokens"))
+
+
+async def _anthropic_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt["text"]}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    return await _stream_lines(client, "/v1/messages", body, "data: ",
+                               lambda event: (event.get("usage") or {}).get("output_tokens"))
 
 
 async def _mindie_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
@@ -219,6 +235,8 @@ PATHS = {
     "mindie": lambda url: _http_runner(url, _mindie_one),
     "lmi": lambda url: _http_runner(url, _lmi_one),
     "tgi": lambda url: _http_runner(url, _tgi_one),
+    "openai-chat": lambda url: _http_runner(url, _chat_one),
+    "anthropic": lambda url: _http_runner(url, _anthropic_one),
 }
 
 
@@ -253,7 +271,9 @@ def summarize(rows: list[dict], args) -> str:
 
     labels = {"openai": "OpenAI `/v1/completions` (SSE)", "lmtp": "LMTP websocket",
               "mindie": "MindIE `generate_stream` (SSE)",
-              "lmi": "LMI `/predictions` (JSON lines)", "tgi": "TGI `/generate_stream` (SSE)"}
+              "lmi": "LMI `/predictions` (JSON lines)", "tgi": "TGI `/generate_stream` (SSE)",
+              "openai-chat": "OpenAI `/v1/chat/completions` (SSE)",
+              "anthropic": "Anthropic `/v1/messages` (SSE)"}
     base = mean("openai", "tok_per_s")
     lines = [
         f"Same gateway and engine; {args.num_prompts} random 128-token prompts, 64 greedy new "
@@ -272,6 +292,9 @@ def summarize(rows: list[dict], args) -> str:
         server_s = "n/a (--url)" if server is None else f"{server:.2f}"
         lines.append(f"| {labels[name]} | {tps:.1f} | {mean(name, 'median_ttft_ms'):.0f} | "
                      f"{tps / base:.3f}x | {server_s} | {per_1k(name, 'client_cpu_s'):.2f} |")
+    if {"openai-chat", "anthropic"} <= set(args.paths):
+        lines += ["", "Anthropic's Messages vs OpenAI chat (plain text, same run): "
+                      f"{mean('anthropic', 'tok_per_s') / mean('openai-chat', 'tok_per_s'):.3f}x"]
     return "\n".join(lines)
 
 
