@@ -21,6 +21,7 @@ PROTOCOLS: dict[str, str] = {
     "tgi": "protocols.tgi.spec",
     "aici": "protocols.aici.spec",
     "anthropic": "protocols.anthropic.spec",
+    "responses": "protocols.responses.spec",
 }
 
 

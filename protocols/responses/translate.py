@@ -1,0 +1,162 @@
+"""Responses API bodies → the internal request (docs/protocols/responses.md).
+
+Input items: messages (``user``, ``system``, ``developer`` as system, ``assistant``) with text
+content, ``function_call`` (joined to the assistant turn it follows) and
+``function_call_output`` (a ``tool`` message answering an earlier call). Stateless: nothing is
+stored, so ``previous_response_id`` is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocols.controllers import json_schema_controller
+from protocols.internal import (
+    ChatMessage,
+    ChatPrompt,
+    ControllerSpec,
+    GenerateRequest,
+    OutputOptions,
+    Sampling,
+    ToolCall,
+    ToolDefinition,
+)
+from protocols.openai.errors import OpenAIError
+from protocols.responses.schemas import ResponsesRequest
+from protocols.tools import MAX_TOOLS, ToolChoice, tool_definition, tools_controller
+
+__all__ = ["responses_request"]
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def _check(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise OpenAIError(400, message, param)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    _check(isinstance(content, list), f"{where}.content must be a string or a list of parts",
+           "input")
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        _check(kind in ("input_text", "output_text") and isinstance(part.get("text"), str),
+               f"{where}: content part of type {kind!r} is not supported by this text-only "
+               "gateway", "input")
+    return "\n".join(part["text"] for part in content)
+
+
+def _messages(body: ResponsesRequest, names: frozenset[str] | None) -> list[ChatMessage]:
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    out = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    calls: dict[str, str] = {}
+    for i, item in enumerate(items):
+        where, kind = f"input[{i}]", item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))
+            _check(role is not None, f"{where}.role must be user, system, developer or "
+                   "assistant", "input")
+            out.append(ChatMessage(role=role, content=_text(item.get("content"), where)))
+        elif kind == "function_call":
+            call = _call(item, where, names)
+            calls[call.id] = call.name
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                out[-1] = ChatMessage(role="assistant", content=last.content,
+                                      tool_calls=(*last.tool_calls, call))
+            else:
+                out.append(ChatMessage(role="assistant", content="", tool_calls=(call,)))
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            _check(call_id in calls, f"{where}: function_call_output answers call_id "
+                   f"{call_id!r}, which no earlier function_call made", "input")
+            out.append(ChatMessage(role="tool", content=_text(item.get("output", ""), where),
+                                   tool_call_id=call_id, name=calls[call_id]))
+        else:
+            raise OpenAIError(400, f"{where}: input items of type {kind!r} are not supported",
+                              "input")
+    _check(bool(out), "input must not be empty", "input")
+    return out
+
+
+def _call(item: dict, where: str, names: frozenset[str] | None) -> ToolCall:
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    _check(all(isinstance(v, str) for v in (call_id, name, arguments)),
+           f"{where}: a function_call has string call_id, name and arguments", "input")
+    _check(names is None or name in names, f"{where} calls {name!r}, which is not among the "
+           "tools", "input")
+    return ToolCall(id=call_id, name=name, arguments=arguments)
+
+
+def _tools(body: ResponsesRequest) -> tuple[tuple[ToolDefinition, ...], ToolChoice]:
+    tools = body.tools or []
+    _check(len(tools) <= MAX_TOOLS, f"at most {MAX_TOOLS} tools are allowed", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        _check(tool.get("type") == "function", f"tools[{i}]: tool type {tool.get('type')!r} is "
+               "not supported; use 'function'", "tools")
+        try:
+            out.append(tool_definition(tool.get("name"), tool.get("description"),
+                                       tool.get("parameters"), f"tools[{i}]"))
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), "tools") from None
+    names = [t.name for t in out]
+    _check(len(set(names)) == len(names), "tools must have distinct names", "tools")
+    raw = body.tool_choice
+    if raw is None:
+        return tuple(out), ToolChoice(mode="auto" if out else "none")
+    if isinstance(raw, dict) and raw.get("type") == "function":
+        choice = ToolChoice(mode="function", name=raw.get("name"))
+    elif raw in ("none", "auto", "required"):
+        choice = ToolChoice(mode=raw)
+    else:
+        raise OpenAIError(400, "tool_choice is 'none', 'auto', 'required' or {\"type\": "
+                               "\"function\", \"name\": ...}", "tool_choice")
+    _check(bool(out) or choice.mode == "none", "tool_choice needs tools", "tool_choice")
+    return tuple(out), choice
+
+
+def _controller(body: ResponsesRequest, tools: tuple[ToolDefinition, ...],
+                choice: ToolChoice) -> ControllerSpec | None:
+    text_format = (body.text or {}).get("format") or {"type": "text"}
+    kind = text_format.get("type")
+    _check(kind in ("text", "json_object", "json_schema"), f"text.format type {kind!r} is not "
+           "supported; use 'text', 'json_object' or 'json_schema'", "text")
+    try:
+        if choice.mode != "none":
+            _check(kind == "text", "text.format cannot be combined with tools", "text")
+            return tools_controller(tools, choice, body.parallel_tool_calls)
+        if kind == "json_schema":
+            _check(isinstance(text_format.get("schema"), dict),
+                   "text.format json_schema needs a schema", "text")
+            return json_schema_controller(text_format["schema"])
+        return json_schema_controller(None) if kind == "json_object" else None
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), "tool_choice" if choice.mode == "function" else "text"
+                          if choice.mode == "none" else "tools") from None
+
+
+def responses_request(body: ResponsesRequest, model: str,
+                      request_id: str) -> tuple[GenerateRequest, ToolChoice]:
+    _check(body.previous_response_id is None, "previous_response_id is not supported: this "
+           "gateway stores no responses; send the whole conversation in input",
+           "previous_response_id")
+    _check(body.max_output_tokens is None or body.max_output_tokens >= 1,
+           "max_output_tokens must be at least 1", "max_output_tokens")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    _check(0 <= temperature <= 2, "temperature must be in [0, 2]", "temperature")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    _check(0 < top_p <= 1, "top_p must be in (0, 1]", "top_p")
+    tools, choice = _tools(body)
+    names = frozenset(t.name for t in tools) or None
+    prompt = ChatPrompt(messages=tuple(_messages(body, names)),
+                        tools=tools if choice.mode != "none" else ())
+    request = GenerateRequest(
+        request_id=request_id, model=model, prompt=prompt,
+        sampling=Sampling(temperature=temperature, top_p=top_p,
+                          max_tokens=body.max_output_tokens),
+        output=OutputOptions(splices="append" if body.stream else "retract"),
+        controller=_controller(body, tools, choice))
+    return request, choice

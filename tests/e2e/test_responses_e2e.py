@@ -1,0 +1,65 @@
+"""OpenAI's Responses API end to end: the openai SDK (``responses.create`` and
+``responses.stream``) → HAProxy → the model's own application → vLLM (embedded model).
+Oracles: vLLM's own greedy text for the same conversation through chat completions,
+``jsonschema`` for calls and ``text.format``, the SDK's stream accumulation."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.e2e.conftest import MODEL
+
+pytestmark = pytest.mark.e2e
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+          "required": ["city"], "additionalProperties": False}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather",
+           "parameters": SCHEMA}
+QUESTION = "What is the weather like in Paris today?"
+
+
+def test_text_equals_vllms_own_greedy_answer_and_streams_to_it(openai_client):
+    whole = openai_client.responses.create(model=MODEL, instructions="Be brief.", input=QUESTION,
+                                           max_output_tokens=24, temperature=0)
+    oracle = openai_client.chat.completions.create(
+        model=MODEL, max_tokens=24, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
+    assert whole.output_text == oracle.choices[0].message.content
+    assert whole.usage.input_tokens == oracle.usage.prompt_tokens
+    with openai_client.responses.stream(model=MODEL, instructions="Be brief.", input=QUESTION,
+                                        max_output_tokens=24, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output_text == whole.output_text and streamed.status == whole.status
+
+
+def test_a_function_call_round_trip_and_the_stream_accumulates_to_the_whole_call(openai_client):
+    kwargs = dict(model=MODEL, input=QUESTION, tools=[WEATHER], tool_choice="required",
+                  parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+    first = openai_client.responses.create(**kwargs)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    with openai_client.responses.stream(**kwargs) as stream:
+        streamed = stream.get_final_response()
+    [again] = [item for item in streamed.output if item.type == "function_call"]
+    assert (again.name, again.arguments) == (call.name, call.arguments)
+    second = openai_client.responses.create(
+        model=MODEL, tools=[WEATHER], tool_choice="none", max_output_tokens=30, temperature=0,
+        input=[{"role": "user", "content": QUESTION},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id,
+                "output": json.dumps({"temperature": 21})}])
+    assert second.output_text and not [i for i in second.output if i.type == "function_call"]
+
+
+def test_text_format_json_schema_validates(openai_client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    out = openai_client.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema}})
+    jsonschema.validate(json.loads(out.output_text), schema)

@@ -1,0 +1,127 @@
+"""OpenAI's Responses API over the fake engine, read by the openai SDK itself
+(docs/protocols/responses.md): text, the SDK's stream accumulation, function calls both ways,
+``text.format``, refusals in OpenAI's envelope."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.registry import ModelRegistry
+from protocols.internal import ToolCall
+from tests import fake_engine
+from tests.fake_engine import FakeEngine
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather now",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(autouse=True)
+def _long_context(monkeypatch):
+    monkeypatch.setattr(fake_engine, "MAX_MODEL_LEN", 2048)
+
+
+def _sdk(reply: str = "Hello world", controllers: str = "splice"):
+    engine = FakeEngine(reply=reply, controllers=controllers)
+    app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig())
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
+    return openai.AsyncOpenAI(base_url="http://gw/v1", api_key="x", http_client=http,
+                              max_retries=0), engine
+
+
+async def test_text_whole_and_streamed():
+    client, engine = _sdk()
+    whole = await client.responses.create(model="fake-model", input="Hi", instructions="Be brief.",
+                                          max_output_tokens=50)
+    assert whole.output_text == "Hello world" and whole.status == "completed"
+    assert whole.usage.output_tokens == 12 and whole.usage.input_tokens > 0
+    assert [m.role for m in engine.requests[-1].prompt.messages] == ["system", "user"]
+    async with client.responses.stream(model="fake-model", input="Hi", instructions="Be brief.",
+                                       max_output_tokens=50) as stream:
+        kinds = [event.type async for event in stream]
+        streamed = await stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
+    assert streamed.output_text == whole.output_text
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+
+async def test_max_output_tokens_makes_an_incomplete_response():
+    client, _ = _sdk()
+    out = await client.responses.create(model="fake-model", input="Hi", max_output_tokens=3)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.output_text == "Hel"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_function_calls_come_back_as_function_call_items(stream):
+    client, engine = _sdk(CALL + "\n" + CALL.replace("Paris", "Rome"))
+    kwargs = dict(model="fake-model", input="Weather?", tools=[WEATHER], tool_choice="required",
+                  max_output_tokens=300)
+    if stream:
+        async with client.responses.stream(**kwargs) as s:
+            out = await s.get_final_response()
+    else:
+        out = await client.responses.create(**kwargs)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    assert all(c.call_id.startswith("call_") and c.status == "completed" for c in calls)
+    assert out.output_text == "" and engine.requests[-1].controller.module == "llguidance"
+
+
+async def test_a_function_call_round_trip_reaches_the_engine():
+    client, engine = _sdk("Sunny.")
+    out = await client.responses.create(model="fake-model", tools=[WEATHER], input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    assert out.output_text == "Sunny."
+    messages = engine.requests[-1].prompt.messages
+    assert messages[1].tool_calls == (
+        ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}'),)
+    assert (messages[2].role, messages[2].name, messages[2].content) == (
+        "tool", "get_weather", "sunny")
+
+
+async def test_text_format_json_schema_runs_the_grammar():
+    client, engine = _sdk('{"a": 1}')
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    out = await client.responses.create(model="fake-model", input="json please", text={
+        "format": {"type": "json_schema", "name": "thing", "schema": schema}})
+    assert json.loads(out.output_text) == {"a": 1}
+    grammar = json.loads(engine.requests[-1].controller.arg)["grammar"]["grammars"][0]
+    assert grammar == {"json_schema": schema}
+
+
+BAD = [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "function_call_output", "call_id": "x", "output": "1"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"text": {"format": {"type": "yaml"}}}, "text"),
+    ({"tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "text"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD)
+async def test_bad_requests_are_400s_in_openais_envelope(extra, param):
+    engine = FakeEngine(reply="x", controllers="splice")
+    app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        r = await c.post("/v1/responses", json={"model": "fake-model", "input": "Hi", **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+    assert not engine.requests
