@@ -1,5 +1,6 @@
-"""Protocol paths on the same engine, same run: LMTP, MindIE, LMI, TGI, OpenAI chat and
-Anthropic's Messages vs the OpenAI completions path (and the chat paths against each other).
+"""Protocol paths on the same engine, same run: LMTP, MindIE, LMI, TGI, OpenAI chat, OpenAI
+Responses and Anthropic's Messages vs the OpenAI completions path (and the chat-shaped paths
+against OpenAI chat).
 
 All drive the same kind of greedy work at the same concurrency against one gateway, alternating
 rounds to cancel drift: prompts are random token ids turned into text and back, so the token
@@ -124,6 +125,14 @@ async def _anthropic_one(client: httpx.AsyncClient, prompt: dict, max_tokens: in
                                lambda event: (event.get("usage") or {}).get("output_tokens"))
 
 
+async def _responses_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
+    body = {"model": MODEL, "input": prompt["text"], "max_output_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    return await _stream_lines(client, "/v1/responses", body, "data: ",
+                               lambda event: ((event.get("response") or {}).get("usage")
+                                              or {}).get("output_tokens"))
+
+
 async def _mindie_one(client: httpx.AsyncClient, prompt: dict, max_tokens: int):
     body = {"text_input": prompt["text"],
             "parameters": {"do_sample": False, "max_new_tokens": max_tokens, "details": True}}
@@ -237,6 +246,7 @@ PATHS = {
     "tgi": lambda url: _http_runner(url, _tgi_one),
     "openai-chat": lambda url: _http_runner(url, _chat_one),
     "anthropic": lambda url: _http_runner(url, _anthropic_one),
+    "responses": lambda url: _http_runner(url, _responses_one),
 }
 
 
@@ -273,7 +283,8 @@ def summarize(rows: list[dict], args) -> str:
               "mindie": "MindIE `generate_stream` (SSE)",
               "lmi": "LMI `/predictions` (JSON lines)", "tgi": "TGI `/generate_stream` (SSE)",
               "openai-chat": "OpenAI `/v1/chat/completions` (SSE)",
-              "anthropic": "Anthropic `/v1/messages` (SSE)"}
+              "anthropic": "Anthropic `/v1/messages` (SSE)",
+              "responses": "OpenAI `/v1/responses` (SSE)"}
     base = mean("openai", "tok_per_s")
     lines = [
         f"Same gateway and engine; {args.num_prompts} random 128-token prompts, 64 greedy new "
@@ -292,9 +303,10 @@ def summarize(rows: list[dict], args) -> str:
         server_s = "n/a (--url)" if server is None else f"{server:.2f}"
         lines.append(f"| {labels[name]} | {tps:.1f} | {mean(name, 'median_ttft_ms'):.0f} | "
                      f"{tps / base:.3f}x | {server_s} | {per_1k(name, 'client_cpu_s'):.2f} |")
-    if {"openai-chat", "anthropic"} <= set(args.paths):
-        lines += ["", "Anthropic's Messages vs OpenAI chat (plain text, same run): "
-                      f"{mean('anthropic', 'tok_per_s') / mean('openai-chat', 'tok_per_s'):.3f}x"]
+    for name in ("anthropic", "responses"):
+        if {"openai-chat", name} <= set(args.paths):
+            lines += ["", f"{labels[name]} vs OpenAI chat (plain text, same run): "
+                          f"{mean(name, 'tok_per_s') / mean('openai-chat', 'tok_per_s'):.3f}x"]
     return "\n".join(lines)
 
 

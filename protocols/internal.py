@@ -25,19 +25,20 @@ Refusals are events, never exceptions: a request the engine cannot serve yields 
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 import msgspec
+
+from protocols.tool_markup import ToolCall, ToolDefinition
 
 __all__ = [
     "BacktrackEvent", "Capabilities", "ChatMessage", "ChatPrompt", "ControllerSpec", "ControllerTag",
     "DEADLOCK", "ControllerSupport", "EngineStats", "ErrorEvent", "EngineUnavailable", "ErrorKind",
     "Event", "FinalEvent", "FinishReason", "ForkEvent", "GenerateRequest", "InvalidPrompt", "ModelInfo",
     "ModelNotFound", "ModelRequired", "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "Sampling",
-    "SpliceSupport", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "TOOL_CALL_TAIL", "TextPrompt", "Timings",
-    "TokenEvent", "TokenPrompt", "ToolCall", "ToolDefinition", "TopLogprob", "Usage",
-    "as_error", "decode_events", "encode_events", "splice_allowed", "splice_refusal", "tool_call_head"
+    "SpliceSupport", "TextPrompt", "Timings", "TokenEvent", "TokenPrompt", "ToolCall",
+    "ToolDefinition", "TopLogprob", "Usage", "as_error", "decode_events", "encode_events",
+    "splice_allowed", "splice_refusal"
 ]
 
 
@@ -53,36 +54,6 @@ class TextPrompt(_Frozen, tag="text", kw_only=True):
 
     text: str
     add_special_tokens: bool = True
-
-
-# The markup of a tool call in a model's output, one block per call (docs/protocols/tools.md):
-# the grammar of every protocol's tool calls produces it, and engines write earlier calls of a
-# conversation in it where the model's chat template knows no tools.
-TOOL_CALL_OPEN = "<tool_call>\n"
-TOOL_CALL_CLOSE = "\n</tool_call>"
-TOOL_CALL_TAIL = "}" + TOOL_CALL_CLOSE  # after the arguments
-
-
-def tool_call_head(name: str) -> str:
-    """A call's markup up to its arguments (JSON text follows, then ``TOOL_CALL_TAIL``)."""
-    return f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": '
-
-
-class ToolCall(_Frozen, kw_only=True):
-    """A call an assistant made: the function's name and its arguments as JSON text."""
-
-    id: str
-    name: str
-    arguments: str
-
-
-class ToolDefinition(_Frozen, kw_only=True):
-    """A function the model may call; ``parameters`` is the JSON schema of its arguments, as
-    JSON text."""
-
-    name: str
-    description: str = ""
-    parameters: str = '{"type": "object", "properties": {}}'
 
 
 class ChatMessage(_Frozen, kw_only=True):

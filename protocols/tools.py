@@ -18,13 +18,8 @@ import jsonschema
 import msgspec
 
 from protocols.controllers import grammar_controller
-from protocols.internal import (
-    TOOL_CALL_OPEN,
-    TOOL_CALL_TAIL,
-    ControllerSpec,
-    ToolDefinition,
-    tool_call_head,
-)
+from protocols.internal import ControllerSpec, ToolDefinition
+from protocols.tool_markup import TOOL_CALL_OPEN, TOOL_CALL_TAIL, tool_call_head
 
 __all__ = ["MAX_TOOLS", "ArgumentsPiece", "CallStart", "TextPiece", "ToolCallReader", "ToolChoice",
            "new_call_id", "tool_definition", "tools_controller"]
