@@ -28,7 +28,7 @@ def test_the_engine_kind_is_what_protocols_report(http):
     assert r.status_code == 200 and r.headers["x-compute-type"] == "vllm"
     assert set(http.get("/gateway/engines").json()[MODEL]) == {"active", "aborted"}
     assert list(http.get("/").json()["protocols"]) == ["openai", "lmtp", "mindie", "lmi", "tgi",
-                                                       "aici"]
+                                                       "aici", "anthropic", "responses"]
 
 
 async def test_one_admission_refuses_too_many_logprobs_on_every_protocol(http, gateway_url):
