@@ -17,12 +17,13 @@ from typing import Any, Literal
 import jsonschema
 import msgspec
 
+from protocols.contract import ModelDirectory
 from protocols.controllers import grammar_controller
 from protocols.internal import ControllerSpec, ToolDefinition
 from protocols.tool_markup import TOOL_CALL_OPEN, TOOL_CALL_TAIL, tool_call_head
 
 __all__ = ["MAX_TOOLS", "ArgumentsPiece", "CallStart", "TextPiece", "ToolCallReader", "ToolChoice",
-           "new_call_id", "tool_definition", "tools_controller"]
+           "grammar_refusal", "new_call_id", "tool_definition", "tools_controller"]
 
 MAX_TOOLS = 128  # OpenAI's own bound on one request's tools
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -101,6 +102,16 @@ def _not_starting_with(prefix: str) -> str:
     heads = ["".join(_regex_char(c) for c in prefix[:i]) for i in range(len(prefix))]
     diverging = [f"{head}[^{_regex_char(prefix[i])}](.|\\n)*" for i, head in enumerate(heads)]
     return "|".join([f"({'|'.join(heads)})", *diverging])
+
+
+async def grammar_refusal(models: ModelDirectory, name: str) -> str | None:
+    """Why model ``name`` cannot serve tools (or another grammar), if it cannot: its engine
+    runs no controllers. Protocols refuse it in their shape, naming the field that asked."""
+    info = await models.info(name)
+    if info.capabilities.controllers == "none":
+        return (f"tools and structured output need a grammar controller, which the "
+                f"{info.engine} engine serving {name} does not run")
+    return None
 
 
 def new_call_id(prefix: str = "call_") -> str:

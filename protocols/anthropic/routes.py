@@ -16,6 +16,7 @@ from protocols.anthropic.translate import chat_prompt, decode_body, messages_req
 from protocols.contract import EngineClient, ModelDirectory
 from protocols.internal import GenerateRequest, ModelNotFound, ModelRequired
 from protocols.streams import Peeked, peek
+from protocols.tools import grammar_refusal
 
 __all__ = ["router"]
 
@@ -31,13 +32,6 @@ def _resolve(models: ModelDirectory, name: str | None) -> tuple[str, EngineClien
         raise AnthropicError(400, f"model: {exc}") from None
 
 
-async def _check_controllers(models: ModelDirectory, name: str) -> None:
-    info = await models.info(name)
-    if info.capabilities.controllers == "none":
-        raise AnthropicError(400, f"tools: tool use needs a grammar controller, which the "
-                                  f"{info.engine} engine serving {name} does not run")
-
-
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     body = decode_body(await request.body(), MessagesRequest)
@@ -45,8 +39,8 @@ async def messages(request: Request) -> Response:
     name, engine = _resolve(models, body.model)
     meta_id = f"msg_{uuid.uuid4().hex[:24]}"
     internal, tools = messages_request(body, name, meta_id)
-    if internal.controller is not None:
-        await _check_controllers(models, name)
+    if internal.controller is not None and (refusal := await grammar_refusal(models, name)):
+        raise AnthropicError(400, f"tools: {refusal}")
     headers = {"request-id": meta_id}
     if not body.stream:
         peeked = await _started(engine, internal)

@@ -38,6 +38,7 @@ from protocols.openai.schemas import (
 )
 from protocols.openai.translate import chat_messages, chat_request, completion_requests, decode_body
 from protocols.streams import Peeked, fold_splices, merge, peek, reindexed
+from protocols.tools import grammar_refusal
 
 __all__ = ["Result", "as_response", "chat_completions", "completions", "detokenize", "get_model",
            "list_models", "tokenize"]
@@ -141,8 +142,8 @@ async def chat_completions(raw: bytes | dict | ChatCompletionRequest, models: Mo
     meta = ChunkMeta(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name,
                      n=body.n)
     request, tools = chat_request(body, name, meta.id)
-    if tools.mode != "none":
-        await _check_controllers(models, name)
+    if tools.mode != "none" and (refusal := await grammar_refusal(models, name)):
+        raise OpenAIError(400, refusal, "tools")
     events = await _start(engine, [request], echo=False, stream=body.stream)
     if body.stream:
         return sse(chat_chunks(events, meta, choices=body.n, logprobs=body.logprobs,
@@ -150,14 +151,6 @@ async def chat_completions(raw: bytes | dict | ChatCompletionRequest, models: Mo
     return chat_response(await collect(events, body.n), meta, logprobs=body.logprobs,
                          tools=tools)
 
-
-async def _check_controllers(models: ModelDirectory, name: str) -> None:
-    """Tool calls are held to their schemas by a grammar controller: a model whose engine runs
-    none is refused here, naming ``tools`` (the engine would name ``controller``)."""
-    info = await models.info(name)
-    if info.capabilities.controllers == "none":
-        raise OpenAIError(400, f"tool calling needs a grammar controller, which the "
-                               f"{info.engine} engine serving {name} does not run", "tools")
 
 
 async def tokenize(raw: bytes, models: ModelDirectory) -> dict:

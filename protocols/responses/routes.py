@@ -18,6 +18,7 @@ from protocols.responses.encode import ResponseMeta, response_events, response_o
 from protocols.responses.schemas import ResponsesRequest
 from protocols.responses.translate import responses_request
 from protocols.streams import peek
+from protocols.tools import grammar_refusal
 
 __all__ = ["router"]
 
@@ -58,10 +59,8 @@ async def responses(request: Request) -> Response:
         raise OpenAIError(400, str(exc), "model") from None
     response_id = f"resp_{uuid.uuid4().hex}"
     internal, tools = responses_request(body, name, response_id)
-    if internal.controller is not None and \
-            (await models.info(name)).capabilities.controllers == "none":
-        raise OpenAIError(400, f"tools and text.format need a grammar controller, which the "
-                               f"engine serving {name} does not run", "tools")
+    if internal.controller is not None and (refusal := await grammar_refusal(models, name)):
+        raise OpenAIError(400, refusal, "tools" if tools.mode != "none" else "text")
     peeked = await peek(engine.generate(internal))
     if peeked.error is not None:
         raise from_event(peeked.error)

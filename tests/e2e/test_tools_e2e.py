@@ -74,7 +74,7 @@ def test_every_call_validates_under_required_and_auto(openai_client, question):
     for choice, parallel in (("required", False), ("required", True), ("auto", True)):
         out = openai_client.chat.completions.create(
             model=MODEL, messages=_ask(question), tools=TOOLS, tool_choice=choice,
-            parallel_tool_calls=parallel, max_tokens=200, temperature=0)
+            parallel_tool_calls=parallel, max_tokens=150, temperature=0)
         message, finish = out.choices[0].message, out.choices[0].finish_reason
         if choice == "required":
             assert message.tool_calls, out

@@ -102,6 +102,16 @@ async def test_text_format_json_schema_runs_the_grammar():
     assert grammar == {"json_schema": schema}
 
 
+@pytest.mark.parametrize(("extra", "param"), [({"tools": [WEATHER]}, "tools"), (
+    {"text": {"format": {"type": "json_object"}}}, "text")])
+async def test_an_engine_without_controllers_refuses_grammars_naming_the_field(extra, param):
+    client, engine = _sdk(controllers="none")
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="fake-model", input="Hi", **extra)
+    assert info.value.body["param"] == param and "grammar controller" in info.value.message
+    assert not engine.requests
+
+
 BAD = [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
