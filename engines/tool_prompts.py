@@ -22,6 +22,7 @@ from protocols.tool_markup import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_TAI
 
 __all__ = ["template_inputs", "tool_instructions"]
 
+
 def tool_instructions(listing: str) -> str:
     """The system message's part that offers the tools (``listing``: one JSON object per line)."""
     return ("You may call the functions below to help with the user's request. Each is "

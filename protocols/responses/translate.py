@@ -8,6 +8,7 @@ stored, so ``previous_response_id`` is refused.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from protocols.controllers import json_schema_controller
@@ -87,6 +88,11 @@ def _call(item: dict, where: str, names: frozenset[str] | None) -> ToolCall:
            f"{where}: a function_call has string call_id, name and arguments", "input")
     _check(names is None or name in names, f"{where} calls {name!r}, which is not among the "
            "tools", "input")
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = None
+    _check(isinstance(parsed, dict), f"{where}.arguments is not a JSON object", "input")
     return ToolCall(id=call_id, name=name, arguments=arguments)
 
 

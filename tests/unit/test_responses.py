@@ -118,6 +118,8 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"type": "function_call_output", "call_id": "x", "output": "1"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
+     "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
     ({"text": {"format": {"type": "yaml"}}}, "text"),
