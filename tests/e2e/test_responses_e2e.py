@@ -65,7 +65,10 @@ def test_text_format_json_schema_validates(openai_client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "sunny": {"type": "boolean"}},
               "required": ["city", "sunny"], "additionalProperties": False}
-    out = openai_client.responses.create(
-        model=MODEL, input=QUESTION, max_output_tokens=60, temperature=0,
-        text={"format": {"type": "json_schema", "name": "weather", "schema": schema}})
+    kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=60, temperature=0,
+                  text={"format": {"type": "json_schema", "name": "weather", "schema": schema}})
+    out = openai_client.responses.create(**kwargs)
     jsonschema.validate(json.loads(out.output_text), schema)
+    with openai_client.responses.stream(**kwargs) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output_text == out.output_text
