@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jsonschema
@@ -22,8 +23,10 @@ from protocols.controllers import grammar_controller
 from protocols.internal import ControllerSpec, ToolDefinition
 from protocols.tool_markup import TOOL_CALL_OPEN, TOOL_CALL_TAIL, tool_call_head
 
-__all__ = ["MAX_TOOLS", "ArgumentsPiece", "CallStart", "TextPiece", "ToolCallReader", "ToolChoice",
-           "grammar_refusal", "new_call_id", "tool_definition", "tools_controller"]
+__all__ = ["MAX_TOOLS", "ArgumentsPiece", "CallStart", "ReadCall", "TextPiece", "ToolCallReader",
+           "ToolChoice", "grammar_refusal", "new_call_id", "tool_definition", "tool_definitions",
+           "tools_controller",
+           "whole_text"]
 
 MAX_TOOLS = 128  # OpenAI's own bound on one request's tools
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -58,15 +61,29 @@ def tool_definition(name: Any, description: Any, parameters: Any, where: str) ->
     return ToolDefinition(name=name, description=description or "", parameters=json.dumps(schema))
 
 
+def tool_definitions(raw: Sequence[Any], fields: Callable[[Any, str], tuple[Any, Any, Any]],
+                     where: str) -> tuple[ToolDefinition, ...]:
+    """A request's tools, in a protocol's shape: at most ``MAX_TOOLS``, each read by ``fields``
+    (its name, description and parameters schema, or ``ValueError`` if it is not a function
+    tool) and named ``where.format(i)`` in errors, their names distinct. ``ValueError`` naming
+    what is wrong."""
+    if len(raw) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools are allowed")
+    out = tuple(tool_definition(*fields(tool, where.format(i)), where.format(i))
+                for i, tool in enumerate(raw))
+    if len({t.name for t in out}) != len(out):
+        raise ValueError("tools must have distinct names")
+    return out
+
+
 def tools_controller(tools: tuple[ToolDefinition, ...], choice: ToolChoice,
                      parallel: bool) -> ControllerSpec | None:
     """The grammar controller for ``choice`` over ``tools`` (None for ``none``): a call is the
     markup of ``protocols.internal`` around arguments valid against the function's schema;
-    ``auto`` also admits any text that does not start like a call."""
+    ``auto`` also admits any text that does not start like a call. ``tools`` are as
+    ``tool_definitions`` made them (bounded, distinct)."""
     if choice.mode == "none" or not tools:
         return None
-    if len(tools) > MAX_TOOLS:
-        raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
     names = [t.name for t in tools]
     if choice.mode == "function" and choice.name not in names:
         raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
@@ -136,6 +153,26 @@ class ArgumentsPiece(msgspec.Struct, frozen=True):
 Piece = TextPiece | CallStart | ArgumentsPiece
 
 
+class ReadCall(msgspec.Struct, kw_only=True):
+    """A call as a whole choice's text held it; ``arguments`` is JSON text, cut short when the
+    token limit cut the call."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+def whole_text(pieces: list[Piece]) -> tuple[str, list[ReadCall]]:
+    """A whole choice's pieces as its text and its calls, in order."""
+    calls: list[ReadCall] = []
+    for piece in pieces:
+        if isinstance(piece, CallStart):
+            calls.append(ReadCall(id=piece.id, name=piece.name, arguments=""))
+        elif isinstance(piece, ArgumentsPiece):
+            calls[piece.index].arguments += piece.text
+    return "".join(p.text for p in pieces if isinstance(p, TextPiece)), calls
+
+
 class ToolCallReader:
     """Reads the text of one choice as it grows into text and calls. Under ``auto`` the text is
     held back while it could still be the start of a call; a call's arguments are released as
@@ -147,6 +184,18 @@ class ToolCallReader:
         self.buffer = ""
         self.calls = 0
         self.in_arguments = False
+
+    @classmethod
+    def for_choice(cls, choice: ToolChoice, id_prefix: str = "call_") -> ToolCallReader:
+        """The reader for a request's choice: with no tools offered, all of it is text."""
+        reader = cls(choice.mode in ("required", "function"), id_prefix)
+        if choice.mode == "none":
+            reader.mode = "text"
+        return reader
+
+    def read(self, text: str, final: bool = False) -> list[Piece]:
+        """``feed``, and at the choice's end (``final``) ``finish`` too."""
+        return [*self.feed(text), *(self.finish() if final else [])]
 
     def feed(self, text: str) -> list[Piece]:
         self.buffer += text

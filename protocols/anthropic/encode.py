@@ -20,7 +20,7 @@ from protocols.internal import (
     splice_refusal,
 )
 from protocols.streams import fold_splices
-from protocols.tools import ArgumentsPiece, CallStart, Piece, TextPiece, ToolCallReader, ToolChoice
+from protocols.tools import CallStart, Piece, TextPiece, ToolCallReader, ToolChoice, whole_text
 
 __all__ = ["MessageMeta", "message_events", "message_response", "sse"]
 
@@ -33,10 +33,8 @@ class MessageMeta:
     input_tokens: int = 0  # the prompt's, for a stream's message_start
 
 
-def _reader(tools: ToolChoice) -> ToolCallReader | None:
-    if tools.mode == "none":
-        return None
-    return ToolCallReader(calls_only=tools.mode in ("required", "function"), id_prefix="toolu_")
+def _reader(tools: ToolChoice) -> ToolCallReader:
+    return ToolCallReader.for_choice(tools, id_prefix="toolu_")
 
 
 def _stop(final: FinalEvent, called: bool) -> tuple[str, str | None]:
@@ -50,12 +48,6 @@ def _stop(final: FinalEvent, called: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def _pieces(reader: ToolCallReader | None, text: str, final: bool = False) -> list[Piece]:
-    if reader is None:
-        return [TextPiece(text)] if text else []
-    return [*reader.feed(text), *(reader.finish() if final else [])]
-
-
 async def message_response(events: AsyncIterator[Event], meta: MessageMeta) -> dict[str, Any]:
     """The whole Message; an error event raises. A call cut off by ``max_tokens`` is left out
     (its input would not be an object)."""
@@ -65,25 +57,17 @@ async def message_response(events: AsyncIterator[Event], meta: MessageMeta) -> d
             raise from_event(event)
         if isinstance(event, TokenEvent):
             output += 1
-            pieces += _pieces(reader, event.text)
+            pieces += reader.read(event.text)
         elif isinstance(event, FinalEvent):
             final = event
-            pieces += _pieces(reader, event.text, final=True)
+            pieces += reader.read(event.text, final=True)
     assert final is not None  # the stream contract: a FinalEvent ends every choice
-    content: list[dict[str, Any]] = []
-    text = "".join(p.text for p in pieces if isinstance(p, TextPiece))
-    if text:
-        content.append({"type": "text", "text": text})
-    calls: dict[int, list] = {}
-    for piece in pieces:
-        if isinstance(piece, CallStart):
-            calls[piece.index] = [piece, ""]
-        elif isinstance(piece, ArgumentsPiece):
-            calls[piece.index][1] += piece.text
-    for start, arguments in calls.values():
+    text, calls = whole_text(pieces)
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    for call in calls:
         try:
-            content.append({"type": "tool_use", "id": start.id, "name": start.name,
-                            "input": json.loads(arguments)})
+            content.append({"type": "tool_use", "id": call.id, "name": call.name,
+                            "input": json.loads(call.arguments)})
         except ValueError:
             continue  # cut off by max_tokens
     stop_reason, stop_sequence = _stop(final, bool(calls))
@@ -144,11 +128,11 @@ async def message_events(events: AsyncIterator[Event],
             return
         if isinstance(event, TokenEvent):
             output += 1
-            for piece in _pieces(reader, event.text):
+            for piece in reader.read(event.text):
                 for item in blocks.events(piece):
                     yield item
         elif isinstance(event, FinalEvent):
-            for piece in _pieces(reader, event.text, final=True):
+            for piece in reader.read(event.text, final=True):
                 for item in blocks.events(piece):
                     yield item
             for item in blocks.close():

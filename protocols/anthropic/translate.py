@@ -24,7 +24,7 @@ from protocols.internal import (
     ToolDefinition,
 )
 from protocols.jsonbody import BodyError, decode_json
-from protocols.tools import MAX_TOOLS, ToolChoice, tool_definition, tools_controller
+from protocols.tools import ToolChoice, tool_definitions, tools_controller
 
 __all__ = ["chat_prompt", "decode_body", "messages_request"]
 
@@ -57,21 +57,20 @@ def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
 
 
 def _tools(tools: list[ToolIn] | None) -> tuple[ToolDefinition, ...]:
-    tools = tools or []
-    _check(len(tools) <= MAX_TOOLS, f"tools: at most {MAX_TOOLS} tools are allowed")
-    out = []
-    for i, tool in enumerate(tools):
-        _check(tool.type in (None, "custom"), f"tools.{i}: tool type {tool.type!r} is not "
-               "supported (only client tools: name, description, input_schema)")
-        _check(tool.input_schema is not None, f"tools.{i}.input_schema: Field required")
-        try:
-            out.append(tool_definition(tool.name, tool.description, tool.input_schema,
-                                       f"tools.{i}"))
-        except ValueError as exc:
-            raise AnthropicError(400, str(exc)) from None
-    names = [t.name for t in out]
-    _check(len(set(names)) == len(names), "tools: tool names must be unique")
-    return tuple(out)
+    try:
+        return tool_definitions(tools or [], _client_tool, "tools.{}")
+    except ValueError as exc:
+        raise AnthropicError(400, str(exc) if str(exc).startswith("tools.") else f"tools: {exc}") \
+            from None
+
+
+def _client_tool(tool: ToolIn, where: str) -> tuple[Any, Any, Any]:
+    if tool.type not in (None, "custom"):
+        raise ValueError(f"{where}: tool type {tool.type!r} is not supported (only client "
+                         "tools: name, description, input_schema)")
+    if tool.input_schema is None:
+        raise ValueError(f"{where}.input_schema: Field required")
+    return tool.name, tool.description, tool.input_schema
 
 
 def _tool_choice(raw: dict[str, Any] | None, has_tools: bool) -> tuple[ToolChoice, bool]:

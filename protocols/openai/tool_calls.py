@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocols.tools import ArgumentsPiece, CallStart, Piece, TextPiece, ToolCallReader, ToolChoice
+from protocols.tools import CallStart, Piece, TextPiece, ToolCallReader, ToolChoice, whole_text
 
 __all__ = ["ChatDeltas", "chat_message", "tool_finish_reason"]
 
 
 def _reader(choice: ToolChoice | None) -> ToolCallReader | None:
+    """None where no tools were offered: the text is the content as it is, even empty."""
     if choice is None or choice.mode == "none":
         return None
-    return ToolCallReader(calls_only=choice.mode in ("required", "function"))
+    return ToolCallReader.for_choice(choice)
 
 
 def tool_finish_reason(finish: str | None, called: bool, choice: ToolChoice | None) -> str | None:
@@ -29,18 +30,12 @@ def chat_message(text: str, choice: ToolChoice | None) -> tuple[dict[str, Any], 
     reader = _reader(choice)
     if reader is None:
         return {"role": "assistant", "content": text}, False
-    pieces = [*reader.feed(text), *reader.finish()]
-    content = "".join(p.text for p in pieces if isinstance(p, TextPiece))
-    calls: list[dict[str, Any]] = []
-    for piece in pieces:
-        if isinstance(piece, CallStart):
-            calls.append({"id": piece.id, "type": "function",
-                          "function": {"name": piece.name, "arguments": ""}})
-        elif isinstance(piece, ArgumentsPiece):
-            calls[piece.index]["function"]["arguments"] += piece.text
+    content, calls = whole_text(reader.read(text, final=True))
     message: dict[str, Any] = {"role": "assistant", "content": (content or None) if calls else content}
     if calls:
-        message["tool_calls"] = calls
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in calls]
     return message, bool(calls)
 
 
@@ -59,10 +54,7 @@ class ChatDeltas:
         reader = self.readers[index]
         if reader is None:
             return [{"content": text}] if text or not final else []
-        pieces = reader.feed(text)
-        if final:
-            pieces += reader.finish()
-        return [self._delta(index, p) for p in pieces]
+        return [self._delta(index, p) for p in reader.read(text, final)]
 
     def _delta(self, index: int, piece: Piece) -> dict[str, Any]:
         if isinstance(piece, TextPiece):

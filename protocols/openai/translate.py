@@ -6,7 +6,7 @@ Every refusal is an :class:`OpenAIError` (400) naming the offending parameter.
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -30,9 +30,10 @@ from protocols.openai.schemas import (
     ChatMessageIn,
     CompletionRequest,
     ToolCallIn,
+    ToolIn,
     _Sampling,
 )
-from protocols.tools import MAX_TOOLS, ToolChoice, tool_definition, tools_controller
+from protocols.tools import ToolChoice, tool_definitions, tools_controller
 
 __all__ = [
     "COMPLETION_DEFAULT_MAX_TOKENS",
@@ -267,21 +268,17 @@ def _history_call(where: str, call: ToolCallIn, tool_names: frozenset[str] | Non
 
 def chat_tools(body: ChatCompletionRequest) -> tuple[tuple[ToolDefinition, ...], ToolChoice]:
     """The tools offered and how the model may use them (docs/protocols/tools.md)."""
-    tools = body.tools or []
-    _check(len(tools) <= MAX_TOOLS, f"at most {MAX_TOOLS} tools are allowed", "tools")
-    definitions = []
-    for i, tool in enumerate(tools):
-        _check(tool.type == "function", f"tools[{i}].type {tool.type!r} is not supported; use "
-               "'function'", "tools")
-        f = tool.function
-        try:
-            definitions.append(tool_definition(f.name, f.description, f.parameters,
-                                               f"tools[{i}].function"))
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), "tools") from None
-    names = [t.name for t in definitions]
-    _check(len(set(names)) == len(names), "tools must have distinct names", "tools")
-    return tuple(definitions), _tool_choice(body.tool_choice, bool(definitions))
+    try:
+        definitions = tool_definitions(body.tools or [], _function, "tools[{}]")
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), "tools") from None
+    return definitions, _tool_choice(body.tool_choice, bool(definitions))
+
+
+def _function(tool: ToolIn, where: str) -> tuple[Any, Any, Any]:
+    if tool.type != "function":
+        raise ValueError(f"{where}.type {tool.type!r} is not supported; use 'function'")
+    return tool.function.name, tool.function.description, tool.function.parameters
 
 
 def _tool_choice(raw: str | dict | None, has_tools: bool) -> ToolChoice:

@@ -36,18 +36,6 @@ class ResponseMeta:
     echo: dict[str, Any] = field(default_factory=dict)  # request parameters the object repeats
 
 
-def _reader(tools: ToolChoice) -> ToolCallReader | None:
-    if tools.mode == "none":
-        return None
-    return ToolCallReader(calls_only=tools.mode in ("required", "function"))
-
-
-def _pieces(reader: ToolCallReader | None, text: str, final: bool = False) -> list[Piece]:
-    if reader is None:
-        return [TextPiece(text)] if text else []
-    return [*reader.feed(text), *(reader.finish() if final else [])]
-
-
 def _shell(meta: ResponseMeta, status: str, output: list, final: FinalEvent | None = None,
            tokens: int = 0) -> dict[str, Any]:
     usage = None
@@ -134,16 +122,16 @@ def _part(text: str) -> dict[str, Any]:
 
 async def response_object(events: AsyncIterator[Event], meta: ResponseMeta) -> dict[str, Any]:
     """The whole response; an error event raises."""
-    reader, items, tokens = _reader(meta.tools), _Items(), 0
+    reader, items, tokens = ToolCallReader.for_choice(meta.tools), _Items(), 0
     async for event in fold_splices(events):
         if isinstance(event, ErrorEvent):
             raise from_event(event)
         if isinstance(event, TokenEvent):
             tokens += 1
-            for piece in _pieces(reader, event.text):
+            for piece in reader.read(event.text):
                 items.add(piece)
         elif isinstance(event, FinalEvent):
-            for piece in _pieces(reader, event.text, final=True):
+            for piece in reader.read(event.text, final=True):
                 items.add(piece)
             items.close(_status(event))
             return _shell(meta, _status(event), items.done, event, tokens)
@@ -152,7 +140,7 @@ async def response_object(events: AsyncIterator[Event], meta: ResponseMeta) -> d
 
 async def response_events(events: AsyncIterator[Event],
                           meta: ResponseMeta) -> AsyncIterator[tuple[str, dict]]:
-    items, reader, tokens = _Items(), _reader(meta.tools), 0
+    items, reader, tokens = _Items(), ToolCallReader.for_choice(meta.tools), 0
     yield items.event("response.created", response=_shell(meta, "in_progress", []))
     yield items.event("response.in_progress", response=_shell(meta, "in_progress", []))
     async for event in events:
@@ -163,7 +151,7 @@ async def response_events(events: AsyncIterator[Event],
         final = isinstance(event, FinalEvent)
         if isinstance(event, TokenEvent | FinalEvent):
             tokens += 0 if final else 1
-            for piece in _pieces(reader, event.text, final=final):
+            for piece in reader.read(event.text, final):
                 for item in items.add(piece):
                     yield item
         if isinstance(event, FinalEvent):

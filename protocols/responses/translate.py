@@ -24,7 +24,7 @@ from protocols.internal import (
 )
 from protocols.openai.errors import OpenAIError
 from protocols.responses.schemas import ResponsesRequest
-from protocols.tools import MAX_TOOLS, ToolChoice, tool_definition, tools_controller
+from protocols.tools import ToolChoice, tool_definitions, tools_controller
 
 __all__ = ["responses_request"]
 
@@ -97,22 +97,13 @@ def _call(item: dict, where: str, names: frozenset[str] | None) -> ToolCall:
 
 
 def _tools(body: ResponsesRequest) -> tuple[tuple[ToolDefinition, ...], ToolChoice]:
-    tools = body.tools or []
-    _check(len(tools) <= MAX_TOOLS, f"at most {MAX_TOOLS} tools are allowed", "tools")
-    out = []
-    for i, tool in enumerate(tools):
-        _check(tool.get("type") == "function", f"tools[{i}]: tool type {tool.get('type')!r} is "
-               "not supported; use 'function'", "tools")
-        try:
-            out.append(tool_definition(tool.get("name"), tool.get("description"),
-                                       tool.get("parameters"), f"tools[{i}]"))
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), "tools") from None
-    names = [t.name for t in out]
-    _check(len(set(names)) == len(names), "tools must have distinct names", "tools")
+    try:
+        out = tool_definitions(body.tools or [], _function, "tools[{}]")
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), "tools") from None
     raw = body.tool_choice
     if raw is None:
-        return tuple(out), ToolChoice(mode="auto" if out else "none")
+        return out, ToolChoice(mode="auto" if out else "none")
     if isinstance(raw, dict) and raw.get("type") == "function":
         choice = ToolChoice(mode="function", name=raw.get("name"))
     elif raw in ("none", "auto", "required"):
@@ -121,7 +112,14 @@ def _tools(body: ResponsesRequest) -> tuple[tuple[ToolDefinition, ...], ToolChoi
         raise OpenAIError(400, "tool_choice is 'none', 'auto', 'required' or {\"type\": "
                                "\"function\", \"name\": ...}", "tool_choice")
     _check(bool(out) or choice.mode == "none", "tool_choice needs tools", "tool_choice")
-    return tuple(out), choice
+    return out, choice
+
+
+def _function(tool: dict[str, Any], where: str) -> tuple[Any, Any, Any]:
+    if tool.get("type") != "function":
+        raise ValueError(f"{where}: tool type {tool.get('type')!r} is not supported; use "
+                         "'function'")
+    return tool.get("name"), tool.get("description"), tool.get("parameters")
 
 
 def _controller(body: ResponsesRequest, tools: tuple[ToolDefinition, ...],

@@ -1,9 +1,11 @@
 import httpx
+import openai
 import pytest
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
+from tests import fake_engine
 from tests.fake_engine import FakeEngine
 from tests.pipeline_models import build_tiny
 
@@ -28,3 +30,23 @@ def tiny_dir(tmp_path_factory):
 
     return build_tiny("llama", tmp_path_factory.mktemp("tiny"),
                       prepare_embedded_model(progress=False))
+
+
+@pytest.fixture
+def long_context(monkeypatch):
+    """The fake engine's context widened from 64 to 2048 tokens: room for tool definitions
+    and call markup."""
+    monkeypatch.setattr(fake_engine, "MAX_MODEL_LEN", 2048)
+
+
+@pytest.fixture
+def openai_on_fake():
+    """``make(reply, controllers)``: the openai SDK over an in-process gateway whose one model
+    (``fake-model``) is a fake engine answering ``reply``; returns the client and the engine."""
+    def make(reply: str = "Hello world", controllers: str = "splice"):
+        engine = FakeEngine(reply=reply, controllers=controllers)
+        app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig())
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
+        return openai.AsyncOpenAI(base_url="http://gw/v1", api_key="x", http_client=http,
+                                  max_retries=0), engine
+    return make

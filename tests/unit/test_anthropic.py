@@ -13,7 +13,6 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
 from protocols.internal import ChatPrompt, ToolCall
-from tests import fake_engine
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"name": "get_weather", "description": "Weather now", "input_schema": {
@@ -22,9 +21,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(autouse=True)
-def _long_context(monkeypatch):
-    monkeypatch.setattr(fake_engine, "MAX_MODEL_LEN", 2048)
+pytestmark = pytest.mark.usefixtures("long_context")
 
 
 def _app(reply: str, controllers: str = "splice", **config):

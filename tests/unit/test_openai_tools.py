@@ -14,7 +14,6 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
 from protocols.internal import ChatPrompt, ToolCall
-from tests import fake_engine
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"type": "function", "function": {
@@ -28,21 +27,11 @@ CALLS = (f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_c
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(autouse=True)
-def _long_context(monkeypatch):
-    monkeypatch.setattr(fake_engine, "MAX_MODEL_LEN", 2048)
+pytestmark = pytest.mark.usefixtures("long_context")
 
 
-def _sdk(reply: str, controllers: str = "splice") -> tuple[openai.AsyncOpenAI, FakeEngine]:
-    engine = FakeEngine(reply=reply, controllers=controllers)
-    app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig())
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
-    return openai.AsyncOpenAI(base_url="http://gw/v1", api_key="x", http_client=http,
-                              max_retries=0), engine
-
-
-async def test_required_calls_come_back_as_tool_calls_and_the_grammar_went_to_the_engine():
-    client, engine = _sdk(CALLS)
+async def test_required_calls_come_back_as_tool_calls_and_the_grammar_went_to_the_engine(openai_on_fake):
+    client, engine = openai_on_fake(CALLS)
     out = await client.chat.completions.create(
         model="fake-model", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
         max_tokens=500)
@@ -61,8 +50,8 @@ async def test_required_calls_come_back_as_tool_calls_and_the_grammar_went_to_th
     assert [t.name for t in request.prompt.tools] == ["get_weather", "get_time"]
 
 
-async def test_a_streamed_call_accumulates_with_the_sdk_helper_to_the_whole_one():
-    client, _ = _sdk(CALLS)
+async def test_a_streamed_call_accumulates_with_the_sdk_helper_to_the_whole_one(openai_on_fake):
+    client, _ = openai_on_fake(CALLS)
     whole = await client.chat.completions.create(
         model="fake-model", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
         max_tokens=500)
@@ -76,8 +65,8 @@ async def test_a_streamed_call_accumulates_with_the_sdk_helper_to_the_whole_one(
     assert streamed.choices[0].finish_reason == "tool_calls"
 
 
-async def test_stream_deltas_name_each_call_once_then_send_argument_fragments():
-    client, _ = _sdk(CALLS)
+async def test_stream_deltas_name_each_call_once_then_send_argument_fragments(openai_on_fake):
+    client, _ = openai_on_fake(CALLS)
     stream = await client.chat.completions.create(
         model="fake-model", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
         max_tokens=500, stream=True)
@@ -91,8 +80,8 @@ async def test_stream_deltas_name_each_call_once_then_send_argument_fragments():
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_auto_lets_plain_text_through_as_content(stream):
-    client, engine = _sdk("Sunny, 21 degrees.")
+async def test_auto_lets_plain_text_through_as_content(stream, openai_on_fake):
+    client, engine = openai_on_fake("Sunny, 21 degrees.")
     kwargs = dict(model="fake-model", messages=ASK, tools=[WEATHER], max_tokens=100)
     if stream:
         async with client.chat.completions.stream(**kwargs) as s:
@@ -105,8 +94,8 @@ async def test_auto_lets_plain_text_through_as_content(stream):
     assert "TEXT" in grammar["lark_grammar"]
 
 
-async def test_a_named_choice_ends_stop_as_openai_answers_a_forced_call():
-    client, engine = _sdk(CALLS[:CALLS.index("\n<")])
+async def test_a_named_choice_ends_stop_as_openai_answers_a_forced_call(openai_on_fake):
+    client, engine = openai_on_fake(CALLS[:CALLS.index("\n<")])
     out = await client.chat.completions.create(
         model="fake-model", messages=ASK, tools=[WEATHER, CLOCK],
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=500)
@@ -116,16 +105,16 @@ async def test_a_named_choice_ends_stop_as_openai_answers_a_forced_call():
     assert "get_time" not in grammar["lark_grammar"]
 
 
-async def test_a_call_cut_off_by_max_tokens_ends_length_as_far_as_it_got():
-    client, _ = _sdk(CALLS)
+async def test_a_call_cut_off_by_max_tokens_ends_length_as_far_as_it_got(openai_on_fake):
+    client, _ = openai_on_fake(CALLS)
     out = await client.chat.completions.create(
         model="fake-model", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60)
     assert out.choices[0].finish_reason == "length"
     assert out.choices[0].message.tool_calls[0].function.arguments == '{"city": "P'
 
 
-async def test_the_history_reaches_the_engine_as_calls_and_results():
-    client, engine = _sdk("It is sunny.")
+async def test_the_history_reaches_the_engine_as_calls_and_results(openai_on_fake):
+    client, engine = openai_on_fake("It is sunny.")
     await client.chat.completions.create(model="fake-model", tools=[WEATHER], max_tokens=20, messages=[
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [
@@ -138,8 +127,8 @@ async def test_the_history_reaches_the_engine_as_calls_and_results():
         "tool", "call_1", "get_weather", "sunny")
 
 
-async def test_tool_choice_none_offers_no_tools_and_runs_no_grammar():
-    client, engine = _sdk("Hello")
+async def test_tool_choice_none_offers_no_tools_and_runs_no_grammar(openai_on_fake):
+    client, engine = openai_on_fake("Hello")
     out = await client.chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER],
                                                tool_choice="none", max_tokens=10)
     assert out.choices[0].message.content == "Hello"
@@ -183,8 +172,8 @@ async def test_bad_tool_requests_are_400s_naming_the_field(extra, param):
     assert not engine.requests  # refused before anything ran
 
 
-async def test_a_model_whose_engine_runs_no_controllers_refuses_tools_naming_them():
-    client, engine = _sdk(CALLS, controllers="none")
+async def test_a_model_whose_engine_runs_no_controllers_refuses_tools_naming_them(openai_on_fake):
+    client, engine = openai_on_fake(CALLS, controllers="none")
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER],
                                              max_tokens=50)

@@ -14,7 +14,6 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
 from protocols.internal import ToolCall
-from tests import fake_engine
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather now",
@@ -23,21 +22,11 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather no
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-@pytest.fixture(autouse=True)
-def _long_context(monkeypatch):
-    monkeypatch.setattr(fake_engine, "MAX_MODEL_LEN", 2048)
+pytestmark = pytest.mark.usefixtures("long_context")
 
 
-def _sdk(reply: str = "Hello world", controllers: str = "splice"):
-    engine = FakeEngine(reply=reply, controllers=controllers)
-    app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig())
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
-    return openai.AsyncOpenAI(base_url="http://gw/v1", api_key="x", http_client=http,
-                              max_retries=0), engine
-
-
-async def test_text_whole_and_streamed():
-    client, engine = _sdk()
+async def test_text_whole_and_streamed(openai_on_fake):
+    client, engine = openai_on_fake()
     whole = await client.responses.create(model="fake-model", input="Hi", instructions="Be brief.",
                                           max_output_tokens=50)
     assert whole.output_text == "Hello world" and whole.status == "completed"
@@ -53,16 +42,16 @@ async def test_text_whole_and_streamed():
     assert streamed.usage.output_tokens == whole.usage.output_tokens
 
 
-async def test_max_output_tokens_makes_an_incomplete_response():
-    client, _ = _sdk()
+async def test_max_output_tokens_makes_an_incomplete_response(openai_on_fake):
+    client, _ = openai_on_fake()
     out = await client.responses.create(model="fake-model", input="Hi", max_output_tokens=3)
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     assert out.output_text == "Hel"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_function_calls_come_back_as_function_call_items(stream):
-    client, engine = _sdk(CALL + "\n" + CALL.replace("Paris", "Rome"))
+async def test_function_calls_come_back_as_function_call_items(stream, openai_on_fake):
+    client, engine = openai_on_fake(CALL + "\n" + CALL.replace("Paris", "Rome"))
     kwargs = dict(model="fake-model", input="Weather?", tools=[WEATHER], tool_choice="required",
                   max_output_tokens=300)
     if stream:
@@ -77,8 +66,8 @@ async def test_function_calls_come_back_as_function_call_items(stream):
     assert out.output_text == "" and engine.requests[-1].controller.module == "llguidance"
 
 
-async def test_a_function_call_round_trip_reaches_the_engine():
-    client, engine = _sdk("Sunny.")
+async def test_a_function_call_round_trip_reaches_the_engine(openai_on_fake):
+    client, engine = openai_on_fake("Sunny.")
     out = await client.responses.create(model="fake-model", tools=[WEATHER], input=[
         {"role": "user", "content": "Weather in Paris?"},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather",
@@ -92,8 +81,8 @@ async def test_a_function_call_round_trip_reaches_the_engine():
         "tool", "get_weather", "sunny")
 
 
-async def test_text_format_json_schema_runs_the_grammar():
-    client, engine = _sdk('{"a": 1}')
+async def test_text_format_json_schema_runs_the_grammar(openai_on_fake):
+    client, engine = openai_on_fake('{"a": 1}')
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     out = await client.responses.create(model="fake-model", input="json please", text={
         "format": {"type": "json_schema", "name": "thing", "schema": schema}})
@@ -104,8 +93,8 @@ async def test_text_format_json_schema_runs_the_grammar():
 
 @pytest.mark.parametrize(("extra", "param"), [({"tools": [WEATHER]}, "tools"), (
     {"text": {"format": {"type": "json_object"}}}, "text")])
-async def test_an_engine_without_controllers_refuses_grammars_naming_the_field(extra, param):
-    client, engine = _sdk(controllers="none")
+async def test_an_engine_without_controllers_refuses_grammars_naming_the_field(extra, param, openai_on_fake):
+    client, engine = openai_on_fake(controllers="none")
     with pytest.raises(openai.BadRequestError) as info:
         await client.responses.create(model="fake-model", input="Hi", **extra)
     assert info.value.body["param"] == param and "grammar controller" in info.value.message
