@@ -18,6 +18,7 @@ from typing import TypeVar
 from engines.admission import Refused, admit, check_prompt_size, check_request, prompt_chars
 from engines.base import Engine, PromptError, ReferenceEngine, ReferenceOutput
 from engines.offload import Busy, Offload
+from engines.telemetry import engine_metrics
 from protocols.internal import (
     BacktrackEvent,
     EngineStats,
@@ -61,6 +62,7 @@ class EngineHost:
         self.offload = offload or Offload(name="tokenize", max_waiting=256)
         self.info: ModelInfo = engine.model_info()
         self.active: set[str] = set()  # request ids in flight
+        self._tags = {"model": self.info.name, "engine": self.info.engine}  # of its series
         self.aborted = 0  # requests cancelled before they finished (client disconnects)
 
     async def model_info(self) -> ModelInfo:
@@ -138,6 +140,7 @@ class EngineHost:
             return
         request_id = request.request_id
         self.active.add(request_id)
+        engine_metrics().active.set(len(self.active), tags=self._tags)
         progress = _Progress(request, len(admitted.prompt_ids))
         finished = False
         try:
@@ -162,6 +165,7 @@ class EngineHost:
             finished = True
         finally:
             self.active.discard(request_id)
+            engine_metrics().active.set(len(self.active), tags=self._tags)
             # A consumer that stops pulling once it has every choice's end (the colocated
             # ingress does) closes the generator before the engine's stream is exhausted:
             # nothing was cut short then, so it is no abort.

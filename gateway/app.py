@@ -31,6 +31,13 @@ from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.model_routes import engine_deployment
 from gateway.registry import ModelRegistry
 from gateway.shapes import ErrorShapes
+from gateway.telemetry import (
+    GatewayMetrics,
+    InstrumentedEngine,
+    RequestTelemetry,
+    current_record,
+    gateway_metrics,
+)
 from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
 from protocols.internal import EngineUnavailable, InvalidPrompt
@@ -47,11 +54,17 @@ _PUBLIC_PATHS = frozenset({"/health", "/version"})
 VERSION = "0.1.0"
 
 
-def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> FastAPI:
+def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
+               metrics: GatewayMetrics | None = None) -> FastAPI:
+    """``metrics``: where the request series go (default: Ray's metrics system)."""
     config = config or GatewayConfig()
+    metrics = metrics or gateway_metrics()
     keys = config.keys()
     if any(k.tokens_per_min for k in keys):
-        registry = registry.with_engines(MeteredEngine)
+        registry = registry.with_engines(lambda _, engine: MeteredEngine(engine))
+    kinds = {model.name: model.engine for model in config.models}
+    registry = registry.with_engines(lambda name, engine: InstrumentedEngine(
+        engine, model=name, engine=kinds.get(name, "unknown"), metrics=metrics))
     specs = [load_spec(name) for name in config.protocols]
     errors = ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
@@ -60,6 +73,10 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None) -> 
     app.state.protocol_options = {spec.options: config.options_for(spec.options)
                                   for spec in specs if spec.options is not None}
     _add_middlewares(app, config, errors, _PUBLIC_PATHS.union(*(s.public_paths for s in specs)))
+    owners = {route.endpoint: spec.name for spec in specs for router in spec.routers
+              for route in router.routes}
+    # Outermost: every response (refusals by the other middlewares too) gets its request id.
+    app.add_middleware(RequestTelemetry, metrics=metrics, owners=owners)
     _add_error_handlers(app, errors)
     _add_own_routes(app, registry, specs)
     for spec in specs:
@@ -110,7 +127,8 @@ def _add_error_handlers(app: FastAPI, errors: ErrorShapes) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         # No exception text for the client (docs/reliability.md): an id to find it in the log.
-        incident = uuid.uuid4().hex[:12]
+        record = current_record()
+        incident = record.request_id if record is not None else uuid.uuid4().hex[:12]
         log.exception("unhandled error (incident %s) on %s", incident, request.url.path)
         return errors.response(route_path(request.scope), 500,
                                f"internal error (incident {incident}; the gateway's log has "

@@ -32,9 +32,10 @@ class ModelRegistry:
         self._info: dict[str, ModelInfo] = {}
         self._info_lock = asyncio.Lock()
 
-    def with_engines(self, wrap: Callable[[EngineClient], EngineClient]) -> ModelRegistry:
-        """The same models and aliases, each engine wrapped (e.g. metered per API key)."""
-        return ModelRegistry({n: wrap(e) for n, e in self._engines.items()}, self._aliases,
+    def with_engines(self, wrap: Callable[[str, EngineClient], EngineClient]) -> ModelRegistry:
+        """The same models and aliases, each engine wrapped (``wrap(name, engine)``: metered
+        per API key, measured)."""
+        return ModelRegistry({n: wrap(n, e) for n, e in self._engines.items()}, self._aliases,
                              expose_paths=self._expose_paths)
 
     def names(self) -> list[str]:

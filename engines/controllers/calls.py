@@ -23,6 +23,7 @@ import msgspec
 
 from engines.controllers.base import Controller, ControllerError
 from engines.controllers.sequence import ControlledSequence
+from engines.telemetry import engine_metrics
 
 __all__ = ["CallRunner", "Calls", "Limits", "Outcome"]
 
@@ -121,6 +122,8 @@ class CallRunner:
                    still_running: bool) -> Outcome:
         bound, micros = f"{self.limits.step_s * 1000:g} ms", int(self.limits.step_s * 1e6)
         seq.micros += micros
+        engine_metrics().controller_timeouts.inc(1, tags={"kind": "pre_post" if stateful
+                                                          else "mid"})
         if stateful:
             return Outcome(None, seq.fail(f"controller step took longer than {bound}"), micros)
         seq.timeouts += 1

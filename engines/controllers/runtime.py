@@ -47,6 +47,7 @@ from engines.controllers.sequence import ControlledSequence, record, tell_branch
 from engines.controllers.shm import BiasMatrix
 from engines.controllers.side import SideChannel
 from engines.controllers.tags import ControllerFactory, TagRegistry, module_id_of
+from engines.telemetry import engine_metrics
 
 __all__ = ["ControllerFactory", "ControllerRuntime", "Limits", "module_id_of"]
 
@@ -87,9 +88,12 @@ class ControllerRuntime:
             return ok_reply(self._mid_process(command.ops or []))
         if op not in ("post_pre_process", "step"):
             return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
+        began = time.perf_counter()
         half = self._post_pre_process(command.post_ops or [], command.pre_ops or [],
                                       command.freed or [])
-        return ok_reply(half if op == "post_pre_process" else self._step(command, half))
+        answer = half if op == "post_pre_process" else self._step(command, half)
+        engine_metrics().controller_step.observe(time.perf_counter() - began)
+        return ok_reply(answer)
 
     def _step(self, command: MainCommand, half: FirstHalf) -> StepAnswer:
         """Beyond the seed: ``post_pre_process`` then ``mid_process`` in one round trip (as

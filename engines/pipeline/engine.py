@@ -82,7 +82,8 @@ class PipelineEngine:
                              step_timeout_s=self.args.step_timeout_s,
                              max_batch_tokens=self.args.max_batch_tokens,
                              batches_in_flight=self.args.batches_in_flight,
-                             before_steps=self._hook.ask if self._hook is not None else None)
+                             before_steps=self._hook.ask if self._hook is not None else None,
+                             model=config.name)
         self.eos_ids = _eos_ids(self.model_path, self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         limit = self.args.max_model_len or min(tcfg.max_position_embeddings, 4096)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from typing import Any
 from engines.pipeline.loading import OriginParts
 from engines.pipeline.stage import CacheMismatch, Hop, StageCore, digest
 from engines.pipeline.stages import Resolved, Stages
+from engines.telemetry import engine_metrics
 
 __all__ = ["Job", "Origin", "PipelineFailure", "Sequence", "StageTimeout", "StepFn"]
 
@@ -92,6 +94,7 @@ class _Member:
 class _Batch:
     result: Any  # awaitable Hop
     members: list[_Member]
+    sent_s: float  # time.perf_counter() when its hop left for the stages
 
 
 class Origin:
@@ -102,8 +105,10 @@ class Origin:
                  prefill_chunk: int, max_restarts: int, check_digest: bool, device: str = "cpu",
                  threads: int | None = None, step_timeout_s: float = 60.0,
                  max_batch_tokens: int = 256, batches_in_flight: int | None = None,
-                 before_steps: Callable[[list[tuple[Any, list[int]]]], None] | None = None):
+                 before_steps: Callable[[list[tuple[Any, list[int]]]], None] | None = None,
+                 model: str = ""):
         self.parts = parts
+        self._tags = {"model": model}  # of its series (engines.telemetry)
         # Called on the origin thread with (control, tokens) of the micro-batch's controlled
         # sequences about to sample, before any of them does (the engine's controller hook).
         self.before_steps = before_steps
@@ -226,7 +231,9 @@ class Origin:
                     log.exception("sending micro-batch %d failed", self.batches)
                     await self._restart([m.job for m in members if self._current(m)], exc)
                     continue
-                self._in_flight.append(_Batch(result, members))
+                self._in_flight.append(_Batch(result, members, time.perf_counter()))
+                engine_metrics().pipeline_batch_tokens.inc(
+                    sum(m.end - m.start for m in members), tags=self._tags)
                 self._landed.set()
                 await self._restart_dropped(members, dropped)
 
@@ -290,6 +297,8 @@ class Origin:
                 await self._restart([m.job for m in batch.members if self._current(m)], exc)
                 continue
             self._in_flight.popleft()
+            engine_metrics().pipeline_batch.observe(time.perf_counter() - batch.sent_s,
+                                                    tags=self._tags)
             self._wake.set()  # the launcher may send others' tokens while these are sampled
             self._finishing += 1  # (decode steps of few sequences wait for these: _take)
             try:
@@ -381,6 +390,7 @@ class Origin:
             job.epoch += 1  # what is still in flight for it is void now
             job.seq.restarts += 1
             self.restarts += 1
+            engine_metrics().pipeline_restarts.inc(1, tags=self._tags)
             with contextlib.suppress(ValueError):
                 self._waiting.remove(job)
         for job in jobs:

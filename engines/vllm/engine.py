@@ -69,7 +69,7 @@ class VLLMEngine:
         self._reaper = start_reaper()
         # In a replica this runs inside the placement step (engines.kinds.create_engine): vLLM
         # picks its worker's cores from this process's affinity, widened for it there.
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=_ray_stat_loggers())
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"
@@ -237,3 +237,17 @@ class VLLMEngine:
             logprobs=[step[t].logprob for step, t in zip(choice.logprobs, choice.token_ids,
                                                          strict=True)],
             prompt_token_ids=list(final.prompt_token_ids))
+
+
+def _ray_stat_loggers() -> list | None:
+    """In a Ray worker, vLLM's own series (queue, running, KV cache use, its TTFT and ITL)
+    through Ray's metrics system instead of a registry in this process, so that every replica
+    is exported (docs/observability.md); as Ray Serve LLM does."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger]
+

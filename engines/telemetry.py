@@ -1,0 +1,96 @@
+"""The series this project exports through Ray's metrics system (docs/observability.md).
+
+A replica or actor records into ``ray.util.metrics``; Ray's metrics agent on each node exports
+what every process of that node recorded (names prefixed ``ray_``, each process's series tagged
+with its ``WorkerId``), so Prometheus scraping every node's agent sees every replica, and a
+cluster-wide figure is a ``sum`` over them. A per-replica registry behind one HTTP port cannot do
+that: a scrape would land on one replica at random. Outside a Ray worker the calls do nothing.
+
+Series are built once per process (:func:`series`); tests inject a recording stand-in for the
+``ray.util.metrics`` module.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = ["BATCH_BUCKETS_S", "LATENCY_BUCKETS_S", "STEP_BUCKETS_S", "TOKEN_GAP_BUCKETS_S",
+           "EngineMetrics", "engine_metrics", "ray_metrics"]
+
+# Seconds. Wide enough for a 2-core CPU box (a first token after seconds of queueing) and fine
+# enough for a GPU (tens of milliseconds).
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                     80.0, 160.0, 320.0)
+# Between two tokens of one stream: a GPU's few milliseconds to a loaded CPU's tenths of seconds.
+TOKEN_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+                       0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+# A pipeline micro-batch's way through every stage and back.
+BATCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A controller runtime's work for one engine step (all of its sequences' controllers).
+STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                  0.5, 1.0)
+
+ENGINE_TAGS = ("model", "engine")
+
+
+class EngineMetrics:
+    """The engine side's series: what a replica runs, each engine kind's own figures."""
+
+    def __init__(self, make: Any):
+        self.active = make.Gauge(
+            "llm_gateway_engine_requests_active",
+            description="Generations admitted by an engine replica and not yet finished.",
+            tag_keys=ENGINE_TAGS)
+        self.pipeline_batch = make.Histogram(
+            "llm_gateway_pipeline_batch_seconds",
+            description="A pipeline micro-batch's round trip through every stage (seconds).",
+            boundaries=list(BATCH_BUCKETS_S), tag_keys=("model",))
+        self.pipeline_batch_tokens = make.Counter(
+            "llm_gateway_pipeline_batch_tokens",
+            description="Token positions a pipeline's micro-batches carried through its stages.",
+            tag_keys=("model",))
+        self.pipeline_restarts = make.Counter(
+            "llm_gateway_pipeline_restarts",
+            description="Times a pipeline's sequences were re-run after a stage failed.",
+            tag_keys=("model",))
+        self.controller_step = make.Histogram(
+            "llm_gateway_controller_step_seconds",
+            description="A controller runtime's work for one engine step (seconds).",
+            boundaries=list(STEP_BUCKETS_S))
+        self.controller_timeouts = make.Counter(
+            "llm_gateway_controller_timeouts",
+            description="Controller calls cut at their time bound, by kind (mid: mask; "
+            "pre_post: before and after sampling).", tag_keys=("kind",))
+
+
+class _Unrecorded:
+    """Series that record nothing: where Ray is not installed (the pipeline's stages on a
+    machine of their own, docs/protocols/pipeline.md)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def inc(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    set = observe = inc
+
+
+class _NoMetrics:
+    Counter = Gauge = Histogram = _Unrecorded
+
+
+def ray_metrics() -> Any:
+    """``ray.util.metrics``, or series that record nothing where Ray is not installed."""
+    try:
+        from ray.util import metrics
+    except ImportError:
+        return _NoMetrics
+    return metrics
+
+
+@functools.cache
+def engine_metrics() -> EngineMetrics:
+    """This process's engine series, through Ray's metrics system."""
+    return EngineMetrics(ray_metrics())

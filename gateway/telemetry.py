@@ -1,0 +1,320 @@
+"""What every request did, as series in Ray's metrics system and as a request id in the logs
+(docs/observability.md).
+
+:class:`RequestTelemetry` (ASGI middleware) gives each HTTP request or websocket a
+:class:`RequestRecord`: its id (the client's ``x-request-id``, or the one Serve's proxy or
+HAProxy set, or a new one), sent back in ``x-request-id``; the protocol that serves it; whether
+its response streams; why it was refused. :class:`InstrumentedEngine` wraps each model's engine
+client and measures every generation for the current record: outcome, tokens, time to first
+token and between tokens (for streamed responses: what a client reading the stream sees), and
+end-to-end time. The series live in :class:`GatewayMetrics`, one set per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from contextvars import ContextVar
+from typing import Any
+
+from engines.telemetry import LATENCY_BUCKETS_S, TOKEN_GAP_BUCKETS_S, ray_metrics
+from protocols.contract import EngineClient
+from protocols.internal import (
+    EngineStats,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    GenerateRequest,
+    ModelInfo,
+    Prompt,
+    TokenEvent,
+)
+
+__all__ = ["GatewayMetrics", "InstrumentedEngine", "RequestRecord", "RequestTelemetry",
+           "current_record", "gateway_metrics", "refused_for"]
+
+GENERATION_TAGS = ("model", "protocol", "engine")
+# Content types of responses that stream (SSE, JSON lines): TTFT and ITL are measured for these.
+STREAM_TYPES = (b"text/event-stream", b"application/jsonlines", b"application/x-ndjson")
+# A client's id is kept when it is short and plain (it goes into headers and log lines).
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+# Why a response was refused, by status, when nothing named a reason.
+_REASONS = {400: "validation", 401: "unauthorized", 403: "unauthorized", 404: "not_found",
+            405: "method_not_allowed", 413: "too_large", 422: "validation", 429: "overloaded",
+            503: "unavailable", 504: "timeout"}
+
+
+class GatewayMetrics:
+    """The gateway's series (their names, tags and buckets: docs/observability.md)."""
+
+    def __init__(self, make: Any):
+        def histogram(name: str, description: str, buckets: tuple[float, ...]) -> Any:
+            return make.Histogram(name, description=description, boundaries=list(buckets),
+                                  tag_keys=GENERATION_TAGS)
+
+        def counter(name: str, description: str, tags: tuple[str, ...] = GENERATION_TAGS) -> Any:
+            return make.Counter(name, description=description, tag_keys=tags)
+
+        self.requests = counter("llm_gateway_requests", "Generations by outcome: a finish "
+                                "reason, an error kind, timeout, or aborted (the client left).",
+                                (*GENERATION_TAGS, "outcome"))
+        self.refusals = counter("llm_gateway_refusals", "Responses with an error status, by "
+                                "reason.", ("protocol", "reason", "status"))
+        self.prompt_tokens = counter("llm_gateway_prompt_tokens", "Prompt tokens of generations.")
+        self.generation_tokens = counter("llm_gateway_generation_tokens",
+                                         "Tokens generated (controller-forced ones included).")
+        self.forced_tokens = counter("llm_gateway_forced_tokens",
+                                     "Tokens a controller appended without sampling.")
+        self.ttft = histogram("llm_gateway_time_to_first_token_seconds",
+                              "Streamed generations: arrival to first token (seconds).",
+                              LATENCY_BUCKETS_S)
+        self.itl = histogram("llm_gateway_inter_token_latency_seconds",
+                             "Streamed generations: between consecutive tokens (seconds).",
+                             TOKEN_GAP_BUCKETS_S)
+        self.latency = histogram("llm_gateway_request_latency_seconds",
+                                 "Generations: arrival to end (seconds).", LATENCY_BUCKETS_S)
+        self.in_flight = make.Gauge("llm_gateway_requests_in_flight",
+                                    description="Generations started here and not yet ended "
+                                    "(queued ones included).", tag_keys=GENERATION_TAGS)
+        self.websockets = make.Gauge("llm_gateway_websockets_open",
+                                     description="Websocket connections open (LMTP).",
+                                     tag_keys=("protocol",))
+        self._levels: dict[tuple[int, tuple[str, ...]], int] = {}
+
+    def add(self, gauge: Any, tags: dict[str, str], change: int) -> None:
+        """Move this process's level of ``gauge`` for ``tags`` by ``change``."""
+        key = (id(gauge), tuple(tags.values()))
+        level = self._levels[key] = self._levels.get(key, 0) + change
+        gauge.set(level, tags=tags)
+
+
+@functools.cache
+def gateway_metrics() -> GatewayMetrics:
+    """This process's gateway series, through Ray's metrics system."""
+    return GatewayMetrics(ray_metrics())
+
+
+class RequestRecord:
+    """One HTTP request or websocket, as the telemetry sees it."""
+
+    __slots__ = ("error_kind", "owners", "refusal", "request_id", "scope", "streamed")
+
+    def __init__(self, scope: dict, request_id: str, owners: dict[Callable, str]):
+        self.scope = scope
+        self.request_id = request_id
+        self.owners = owners
+        self.streamed = scope["type"] == "websocket"
+        self.refusal: str | None = None  # named by whoever refused it
+        self.error_kind: str | None = None  # an engine's refusal (ErrorEvent.kind)
+
+    @property
+    def protocol(self) -> str:
+        # The router has put the matched endpoint in the scope by the time anything asks.
+        return self.owners.get(self.scope.get("endpoint"), "gateway")
+
+    def reason(self, status: int) -> str:
+        return self.refusal or self.error_kind or _REASONS.get(
+            status, "error" if status >= 500 else "client_error")
+
+
+_CURRENT: ContextVar[RequestRecord | None] = ContextVar("llm_gateway_request", default=None)
+
+
+def current_record() -> RequestRecord | None:
+    return _CURRENT.get()
+
+
+def refused_for(reason: str) -> None:
+    """Name why the current request is being refused (its refusal is counted by this)."""
+    record = _CURRENT.get()
+    if record is not None:
+        record.refusal = reason
+
+
+def _request_id(scope: dict) -> str:
+    for name, value in scope.get("headers") or ():
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if _CLIENT_ID.fullmatch(text):
+                return text
+            break
+    return uuid.uuid4().hex
+
+
+class RequestTelemetry:
+    """ASGI middleware: the :class:`RequestRecord` of each request, ``x-request-id`` on its
+    response, refusals counted by reason, websockets open. ``owners``: endpoint → protocol."""
+
+    def __init__(self, app, *, metrics: GatewayMetrics, owners: dict[Callable, str]):
+        self.app = app
+        self.metrics = metrics
+        self.owners = owners
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        record = RequestRecord(scope, _request_id(scope), self.owners)
+        token = _CURRENT.set(record)
+        try:
+            if scope["type"] == "websocket":
+                await self._websocket(record, receive, send)
+            else:
+                await self.app(scope, receive, self._http_sender(record, send))
+        finally:
+            _CURRENT.reset(token)
+
+    def _http_sender(self, record: RequestRecord, send):
+        async def sender(message):
+            if message["type"] == "http.response.start":
+                headers = message.setdefault("headers", [])
+                names = [name.lower() for name, _ in headers]
+                if b"x-request-id" not in names:
+                    headers.append((b"x-request-id", record.request_id.encode("latin-1")))
+                content_type = next((v for n, v in headers if n.lower() == b"content-type"), b"")
+                record.streamed = content_type.startswith(STREAM_TYPES)
+                status = message["status"]
+                if status >= 400:
+                    self.metrics.refusals.inc(1, tags={
+                        "protocol": record.protocol, "reason": record.reason(status),
+                        "status": str(status)})
+            await send(message)
+
+        return sender
+
+    async def _websocket(self, record: RequestRecord, receive, send) -> None:
+        tags = {"protocol": record.protocol}
+        opened = False
+
+        async def sender(message):
+            nonlocal opened
+            if message["type"] == "websocket.accept" and not opened:
+                opened = True
+                self.metrics.add(self.metrics.websockets, tags, +1)
+            await send(message)
+
+        try:
+            await self.app(record.scope, receive, sender)
+        finally:
+            if opened:
+                self.metrics.add(self.metrics.websockets, tags, -1)
+
+
+class _Generation:
+    """What one generation did, seen event by event."""
+
+    __slots__ = ("choices", "error", "finals", "first_s", "forced", "gaps", "last_s", "outcome",
+                 "prompt_tokens", "started_s", "tokens", "usage_forced", "usage_tokens")
+
+    def __init__(self, choices: int):
+        self.choices = choices
+        self.started_s = self.last_s = time.perf_counter()
+        self.first_s: float | None = None
+        self.gaps: list[float] = []
+        self.tokens = self.forced = self.finals = 0
+        self.usage_tokens: int | None = None  # completion tokens the engine reported
+        self.usage_forced = 0
+        self.prompt_tokens = 0
+        self.outcome: str | None = None
+        self.error: str | None = None
+
+    def see(self, event: Event) -> None:
+        if type(event) is TokenEvent:
+            now = time.perf_counter()
+            if self.first_s is None:
+                self.first_s = now
+            else:
+                self.gaps.append(now - self.last_s)
+            self.last_s = now
+            self.tokens += 1
+            self.forced += event.forced
+        elif type(event) is FinalEvent:
+            self._final(event)
+        elif type(event) is ErrorEvent:
+            self.outcome = self.error = event.kind
+
+    def _final(self, event: FinalEvent) -> None:
+        usage = event.usage
+        self.prompt_tokens = usage.prompt_tokens  # the same on every choice
+        self.usage_tokens = (self.usage_tokens or 0) + usage.completion_tokens
+        self.usage_forced += usage.forced_tokens
+        self.finals += 1
+        if self.outcome not in (None, "timeout"):
+            return
+        timed_out = event.finish_reason == "abort" and event.stop_reason == "timeout"
+        self.outcome = "timeout" if timed_out else self.outcome or event.finish_reason
+        if self.finals < self.choices and self.outcome != "timeout":
+            self.outcome = None  # decided by the last choice
+
+    def result(self) -> str:
+        return self.outcome or "aborted"
+
+
+class InstrumentedEngine:
+    """An engine client whose generations are measured for the current request's protocol."""
+
+    def __init__(self, inner: EngineClient, *, model: str, engine: str, metrics: GatewayMetrics):
+        self.inner = inner
+        self.model = model
+        self.engine = engine
+        self.metrics = metrics
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        record = _CURRENT.get()
+        tags = {"model": self.model, "protocol": record.protocol if record else "gateway",
+                "engine": self.engine}
+        seen = _Generation(request.sampling.n)
+        self.metrics.add(self.metrics.in_flight, tags, +1)
+        try:
+            # aclosing: closing this stream (the client left) closes the engine's now, which
+            # aborts its request.
+            async with aclosing(self.inner.generate(request)) as events:
+                async for event in events:
+                    seen.see(event)
+                    yield event
+        finally:
+            self.metrics.add(self.metrics.in_flight, tags, -1)
+            self._record(seen, record, tags)
+
+    def _record(self, seen: _Generation, record: RequestRecord | None,
+                tags: dict[str, str]) -> None:
+        metrics = self.metrics
+        if seen.error is not None and record is not None:
+            record.error_kind = seen.error
+        metrics.requests.inc(1, tags={**tags, "outcome": seen.result()})
+        metrics.latency.observe(time.perf_counter() - seen.started_s, tags=tags)
+        if seen.prompt_tokens:
+            metrics.prompt_tokens.inc(seen.prompt_tokens, tags=tags)
+        # The engine's own count when it reported one (splices make it differ from the events).
+        reported = seen.usage_tokens is not None
+        generated = seen.usage_tokens if reported else seen.tokens
+        forced = seen.usage_forced if reported else seen.forced
+        if generated:
+            metrics.generation_tokens.inc(generated, tags=tags)
+        if forced:
+            metrics.forced_tokens.inc(forced, tags=tags)
+        if seen.first_s is not None and record is not None and record.streamed:
+            metrics.ttft.observe(seen.first_s - seen.started_s, tags=tags)
+            for gap in seen.gaps:
+                metrics.itl.observe(gap, tags=tags)
+
+    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        return await self.inner.tokenize(prompt)
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
+        return await self.inner.detokenize(token_ids)
+
+    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        return await self.inner.detokenize_each(token_ids)
+
+    async def model_info(self) -> ModelInfo:
+        return await self.inner.model_info()
+
+    async def check_health(self) -> None:
+        await self.inner.check_health()
+
+    async def stats(self) -> EngineStats:
+        return await self.inner.stats()
