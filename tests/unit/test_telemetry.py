@@ -1,0 +1,248 @@
+"""The request series and request ids (gateway/telemetry.py) over the fake engine, with a
+recording stand-in for ``ray.util.metrics`` (the real one: tests/e2e/test_observability_e2e.py,
+through a real Prometheus)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from contextlib import aclosing
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from engines.config import ModelConfig
+from engines.telemetry import EngineMetrics
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.keys import ApiKey
+from gateway.registry import ModelRegistry
+from gateway.telemetry import GatewayMetrics, InstrumentedEngine
+from protocols.internal import (
+    ErrorEvent,
+    FinalEvent,
+    GenerateRequest,
+    Sampling,
+    TextPrompt,
+    TokenEvent,
+    Usage,
+)
+from tests.fake_engine import FakeEngine
+
+
+class Recorded:
+    """``ray.util.metrics`` in memory: ``counts[name][tags]``, ``observed[name][tags]``,
+    ``levels[name][tags]`` (tags as sorted item tuples)."""
+
+    def __init__(self):
+        self.counts = defaultdict(lambda: defaultdict(float))
+        self.observed = defaultdict(lambda: defaultdict(list))
+        self.levels = defaultdict(dict)
+        recorder = self
+
+        class Series:
+            def __init__(self, name, description="", tag_keys=(), boundaries=None):
+                assert description and name.startswith("llm_gateway_")
+                self.name, self.tag_keys = name, tuple(tag_keys)
+
+            def _key(self, tags):
+                assert set(tags or {}) == set(self.tag_keys), (self.name, tags)
+                return tuple(sorted((tags or {}).items()))
+
+            def inc(self, value=1.0, tags=None):
+                recorder.counts[self.name][self._key(tags)] += value
+
+            def observe(self, value, tags=None):
+                recorder.observed[self.name][self._key(tags)].append(value)
+
+            def set(self, value, tags=None):
+                recorder.levels[self.name][self._key(tags)] = value
+
+        self.Counter = self.Gauge = self.Histogram = Series
+
+    def count(self, name: str, **tags) -> float:
+        """The sum over every series of ``name`` whose tags include ``tags``."""
+        return sum(value for key, value in self.counts[name].items()
+                   if set(tags.items()) <= set(key))
+
+    def observations(self, name: str, **tags) -> list[float]:
+        return [v for key, values in self.observed[name].items()
+                if set(tags.items()) <= set(key) for v in values]
+
+
+@pytest.fixture
+def recorded() -> Recorded:
+    return Recorded()
+
+
+def _app(recorded: Recorded, engine: FakeEngine | None = None, **config):
+    settings = GatewayConfig(models=[ModelConfig(name="fake-model")], **config)
+    return create_app(ModelRegistry({"fake-model": engine or FakeEngine()}), settings,
+                      metrics=GatewayMetrics(recorded))
+
+
+@pytest.fixture
+async def http(recorded):
+    transport = httpx.ASGITransport(app=_app(recorded))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        yield client
+
+
+OPENAI = {"protocol": "openai", "model": "fake-model", "engine": "vllm"}  # as configured
+
+
+async def test_a_whole_completion_counts_its_outcome_tokens_and_latency(http, recorded):
+    response = await http.post("/v1/completions", json={"model": "fake-model", "prompt": "Hi",
+                                                        "max_tokens": 4})
+    usage = response.json()["usage"]
+    assert recorded.counts["llm_gateway_requests"] == {
+        tuple(sorted({**OPENAI, "outcome": "length"}.items())): 1}
+    assert recorded.count("llm_gateway_prompt_tokens", **OPENAI) == usage["prompt_tokens"]
+    assert recorded.count("llm_gateway_generation_tokens", **OPENAI) == 4
+    assert len(recorded.observations("llm_gateway_request_latency_seconds", **OPENAI)) == 1
+    # Not streamed: the client saw no first token before the whole answer.
+    assert not recorded.observed["llm_gateway_time_to_first_token_seconds"]
+    assert not recorded.observed["llm_gateway_inter_token_latency_seconds"]
+    assert recorded.levels["llm_gateway_requests_in_flight"] == {
+        tuple(sorted(OPENAI.items())): 0}
+
+
+async def test_a_stream_has_one_first_token_and_a_gap_per_further_token(http, recorded):
+    async with http.stream("POST", "/v1/completions", json={
+            "model": "fake-model", "prompt": "Hi", "max_tokens": 5, "stream": True}) as response:
+        assert response.status_code == 200
+        await response.aread()
+    assert len(recorded.observations("llm_gateway_time_to_first_token_seconds", **OPENAI)) == 1
+    gaps = recorded.observations("llm_gateway_inter_token_latency_seconds", **OPENAI)
+    assert len(gaps) == 4 and all(gap >= 0 for gap in gaps)
+    assert recorded.count("llm_gateway_requests", outcome="length") == 1
+
+
+async def test_refusals_are_counted_by_reason_in_each_protocols_name(http, recorded):
+    assert (await http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+            ).status_code == 404
+    # The engine refuses this one (a prompt beyond the fake's 64-token context).
+    assert (await http.post("/v1/completions", json={"model": "fake-model", "prompt": "x" * 200})
+            ).status_code == 400
+    assert (await http.post("/generate", json={"inputs": "x", "parameters": {
+        "temperature": -1}})).status_code == 422
+    refusals = recorded.counts["llm_gateway_refusals"]
+    assert refusals == {
+        (("protocol", "openai"), ("reason", "not_found"), ("status", "404")): 1,
+        (("protocol", "openai"), ("reason", "validation"), ("status", "400")): 1,
+        (("protocol", "tgi"), ("reason", "validation"), ("status", "422")): 1}
+    assert recorded.count("llm_gateway_requests", outcome="validation") == 1
+
+
+async def test_refusals_at_the_door_name_their_reason(recorded):
+    transport = httpx.ASGITransport(app=_app(recorded, api_key="k"))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        assert (await http.post("/v1/completions", json={})).status_code == 401
+        assert (await http.post("/v1/completions", content=b"x" * (65 << 20),
+                                headers={"authorization": "Bearer k"})).status_code == 413
+    assert recorded.count("llm_gateway_refusals", reason="unauthorized", status="401") == 1
+    assert recorded.count("llm_gateway_refusals", reason="too_large", status="413") == 1
+
+
+async def test_a_keys_rate_limit_and_the_gateways_capacity_are_their_own_reasons(recorded):
+    keys = [ApiKey(key="slow", requests_per_s=1, tokens_per_min=1)]
+    transport = httpx.ASGITransport(app=_app(recorded, api_keys=keys))
+    body = {"model": "fake-model", "prompt": "Hi", "max_tokens": 4}
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw",
+                                 headers={"authorization": "Bearer slow"}) as http:
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        assert (await http.post("/v1/completions", json=body)).status_code == 429
+    assert recorded.count("llm_gateway_refusals", reason="rate_limit", status="429") == 1
+    slow = FakeEngine(delay=0.05)
+    transport = httpx.ASGITransport(app=_app(recorded, slow, max_concurrent_requests=1))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        answers = await asyncio.gather(*(http.post("/v1/completions", json=body)
+                                         for _ in range(2)))
+    assert sorted(a.status_code for a in answers) == [200, 503]
+    assert recorded.count("llm_gateway_refusals", reason="admission", status="503") == 1
+
+
+async def test_request_ids_are_the_clients_or_new_and_one_per_response(http):
+    mine = await http.post("/v1/completions", headers={"x-request-id": "abc-123"},
+                           json={"model": "fake-model", "prompt": "Hi", "max_tokens": 1})
+    assert mine.headers.get_list("x-request-id") == ["abc-123"]
+    new = [(await http.get("/health")).headers.get_list("x-request-id") for _ in range(2)]
+    assert all(len(ids) == 1 and len(ids[0]) == 32 for ids in new) and new[0] != new[1]
+    # Not kept: what could not go into a header or a log line as it is.
+    odd = await http.get("/health", headers={"x-request-id": "two words " + "x" * 200})
+    assert odd.headers["x-request-id"] != "two words " + "x" * 200
+    refused = await http.post("/v1/completions", headers={"x-request-id": "abc-404"},
+                              json={"model": "nope", "prompt": "x"})
+    assert refused.headers.get_list("x-request-id") == ["abc-404"]
+
+
+def test_an_lmtp_socket_is_open_while_connected_and_its_streams_are_streamed(recorded):
+    with TestClient(_app(recorded, engine=FakeEngine(reply="abc"))) as client:
+        with client.websocket_connect("/") as ws:
+            ws.send_text("GENERATE " + json.dumps({"model": "fake-model", "prompt": [1],
+                                                   "stream_id": 1, "max_tokens": 3}))
+            while '"finish_reason": "length"' not in ws.receive_text().replace(
+                    '"finish_reason":"length"', '"finish_reason": "length"'):
+                pass
+            assert recorded.levels["llm_gateway_websockets_open"] == {
+                (("protocol", "lmtp"),): 1}
+    assert recorded.levels["llm_gateway_websockets_open"] == {(("protocol", "lmtp"),): 0}
+    lmtp = {**OPENAI, "protocol": "lmtp"}
+    assert len(recorded.observations("llm_gateway_time_to_first_token_seconds", **lmtp)) == 1
+    assert recorded.count("llm_gateway_generation_tokens", **lmtp) == 3
+
+
+class _Scripted:
+    """An engine client that answers every generation with ``events``."""
+
+    def __init__(self, *events):
+        self.events = events
+
+    async def generate(self, request):
+        for event in self.events:
+            yield event
+
+
+def _final(reason, stop_reason=None, index=0):
+    return FinalEvent(index=index, finish_reason=reason, stop_reason=stop_reason,
+                      usage=Usage(prompt_tokens=3, completion_tokens=2, forced_tokens=1))
+
+
+TOKEN = TokenEvent(token_id=1, text="a")
+OUTCOMES = [
+    ((TOKEN, _final("eos")), 1, "eos"),
+    ((TOKEN, _final("abort", "timeout")), 1, "timeout"),
+    ((ErrorEvent(kind="overloaded", message="busy"),), 1, "overloaded"),
+    ((TOKEN, _final("length", index=0), _final("eos", index=1)), 2, "eos"),
+    ((TOKEN, _final("abort", "timeout", index=0), _final("eos", index=1)), 2, "timeout"),
+]
+
+
+@pytest.mark.parametrize(("events", "n", "outcome"), OUTCOMES)
+async def test_a_generations_outcome(recorded, events, n, outcome):
+    engine = InstrumentedEngine(_Scripted(*events), model="m", engine="k",
+                                metrics=GatewayMetrics(recorded))
+    request = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="x"),
+                              sampling=Sampling(n=n))
+    assert [e async for e in engine.generate(request)] == list(events)
+    assert recorded.count("llm_gateway_requests") == 1
+    assert recorded.count("llm_gateway_requests", outcome=outcome) == 1
+    finals = sum(isinstance(e, FinalEvent) for e in events)
+    assert recorded.count("llm_gateway_forced_tokens") == finals
+
+
+async def test_a_generation_the_client_left_is_aborted_and_no_longer_in_flight(recorded):
+    engine = InstrumentedEngine(_Scripted(TOKEN, TOKEN, _final("eos")), model="m", engine="k",
+                                metrics=GatewayMetrics(recorded))
+    request = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="x"))
+    async with aclosing(engine.generate(request)) as events:
+        assert await anext(events) == TOKEN
+    assert recorded.count("llm_gateway_requests", outcome="aborted") == 1
+    assert recorded.count("llm_gateway_generation_tokens") == 1  # what it had seen
+    assert set(recorded.levels["llm_gateway_requests_in_flight"].values()) == {0}
+
+
+def test_every_engine_series_is_declared_with_a_description(recorded):
+    EngineMetrics(recorded)  # the stand-in checks names and descriptions
