@@ -168,14 +168,15 @@ def _ray_env(ingress: str | None = None, **extra: str) -> dict:
     return {**env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), **extra}
 
 
-def _serve_run(port: int, applications: list[dict], env: dict) -> subprocess.Popen:
+def _serve_run(port: int, applications: list[dict], env: dict,
+               root: Path = ROOT) -> subprocess.Popen:
     """``serve run`` of a config with ``applications`` on ``port`` (127.0.0.1), in its own
-    process group (``_stop``)."""
+    process group (``_stop``), with the gateway's code from ``root``."""
     config = {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
               "applications": applications}
     path = Path(tempfile.mkdtemp()) / "bench_serve.json"
     path.write_text(json.dumps(config))
-    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=ROOT, env=env,
+    return subprocess.Popen([_bin("serve"), "run", str(path)], cwd=root, env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL)
 
 
@@ -192,7 +193,7 @@ def _serve_gateway(model: str, model_dir: str, overrides: dict,
 
 
 def _serve_model_apps(model: str, model_dir: str, overrides: dict, count: int = 1,
-                      ingress: str | None = None) -> subprocess.Popen:
+                      ingress: str | None = None, root: Path = ROOT) -> subprocess.Popen:
     """``serve_config.yaml``'s layout (the README's default): each model its own Serve
     application (``build_model_app`` at ``/model/<name>``), the gateway application naming
     them. ``count`` 2 adds a second copy of the model that idles
@@ -205,7 +206,16 @@ def _serve_model_apps(model: str, model_dir: str, overrides: dict, count: int = 
     apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
                  "args": {"models": [{**entry, "app": f"model-{i}"}
                                      for i, entry in enumerate(models)]}})
-    return _serve_run(PORTS["gateway"], apps, _ray_env(ingress))
+    return _serve_run(PORTS["gateway"], apps, _ray_env(ingress, PYTHONPATH=str(root)), root)
+
+
+def _serve_before(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
+    """The default layout with the gateway's code of another checkout (``BENCH_BEFORE_TREE``,
+    e.g. a ``git worktree`` of an earlier commit): before vs after a change in one run."""
+    tree = os.environ.get("BENCH_BEFORE_TREE")
+    if not tree or not (Path(tree) / "gateway" / "app.py").is_file():
+        raise SystemExit("gateway-before needs BENCH_BEFORE_TREE: a checkout of the gateway")
+    return _serve_model_apps(model, model_dir, overrides, root=Path(tree))
 
 
 def _serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
@@ -236,6 +246,8 @@ STARTERS = {"bare": _serve_bare, "serve-llm": _serve_llm,
             # The README's default: each model its own application, HAProxy on the port
             # sending requests that name it there.
             "gateway": _serve_model_apps,
+            # The same from another checkout (BENCH_BEFORE_TREE): a change's before and after.
+            "gateway-before": _serve_before,
             # Two models, each its own application (serve_config.cluster.yaml's layout).
             "gateway-two-apps": functools.partial(_serve_model_apps, count=2),
             # The default before models had applications of their own: engine deployments

@@ -63,10 +63,11 @@ class EngineReplica:
     def __init__(self, config: ModelConfig):
         from engines.host import EngineHost
         from engines.kinds import create_engine
-        from engines.serve_logs import log_with_serve
+        from engines.serve_logs import keeping_serve_logs, log_with_serve
 
         log_with_serve()  # the engine's start (its placement step) in this replica's log
-        self.host = EngineHost(create_engine(config))
+        with keeping_serve_logs():
+            self.host = EngineHost(create_engine(config))
         self.callers = CallerWatch()
         self.channels = ChannelSender()
 

@@ -171,6 +171,11 @@ class EngineHost:
             # nothing was cut short then, so it is no abort.
             if not finished and progress.open:
                 self.aborted += 1
+            # One line per generation; Serve's log handlers add the request's id (the
+            # client's x-request-id), so an operator finds it by that (docs/observability.md).
+            log.info("generation %s: %s, %d prompt + %d generated tokens in %.3f s",
+                     request_id, progress.outcome, progress.prompt_tokens, progress.tokens,
+                     time.monotonic() - progress.started)
 
 
 class _Choice:
@@ -193,6 +198,8 @@ class _Progress:
         self.started = time.monotonic()
         self.open = {index: _Choice() for index in range(request.sampling.n)}
         self.seen = set(self.open)  # every index used so far: a fork needs a new one
+        self.tokens = 0  # every choice's, over the run
+        self.outcome = "aborted"  # the last finish reason or error kind (for the log)
 
     def see(self, event: Event) -> ErrorEvent | None:
         """Account for ``event``; an ErrorEvent to send instead when it breaks the contract."""
@@ -201,14 +208,17 @@ class _Progress:
             if choice is None:
                 return _broken(f"a token for choice {event.index}, which is not open")
             choice.tokens += 1
+            self.tokens += 1
             if event.forced:
                 choice.forced += 1
             else:
                 choice.sampled += 1
         elif isinstance(event, FinalEvent):
             self.open.pop(event.index, None)
+            self.outcome = event.finish_reason
         elif isinstance(event, ErrorEvent):  # ends the whole stream
             self.open.clear()
+            self.outcome = event.kind
         elif isinstance(event, (BacktrackEvent, ForkEvent)):
             if not splice_allowed(event, self.splices):
                 return splice_refusal(event)

@@ -75,7 +75,7 @@ class Levels:
     a gauge's sum instead of reporting 0. Levels are kept here and re-set by one daemon thread.
     """
 
-    def __init__(self, refresh_s: float = 5.0):
+    def __init__(self, refresh_s: float = 1.0):
         self.refresh_s = refresh_s
         self._levels: dict[tuple[int, tuple[str, ...]], tuple[Any, dict[str, str], float]] = {}
         self._lock = threading.Lock()

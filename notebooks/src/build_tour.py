@@ -1,9 +1,7 @@
 """Writes notebooks/multi_protocol_tour.ipynb from the cells below (unexecuted); run it with
 `jupyter-execute --inplace` (or the e2e test's nbclient) against a running gateway."""
 
-from pathlib import Path
-
-import nbformat
+from cells import write_notebook
 
 CELLS = [
     ("markdown", """# One gateway, every client: a tour
@@ -170,15 +168,7 @@ same thing under concurrency, over several rounds."""),
 
 
 def main() -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    for kind, source in CELLS:
-        make = nbformat.v4.new_markdown_cell if kind == "markdown" else nbformat.v4.new_code_cell
-        nb.cells.append(make(source))
-    out = Path(__file__).resolve().parent.parent / "multi_protocol_tour.ipynb"
-    nbformat.write(nb, out)
-    print(out)
+    print(write_notebook(CELLS, "multi_protocol_tour.ipynb"))
 
 
 if __name__ == "__main__":

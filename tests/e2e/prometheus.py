@@ -44,7 +44,7 @@ class Prometheus:
         return {tuple(item["metric"].get(label, "") for label in labels): float(item["value"][1])
                 for item in self.query(expr)}
 
-    def settled(self, exprs: dict[str, tuple[str, ...]], quiet_s: float = 25,
+    def settled(self, exprs: dict[str, tuple[str, ...]], quiet_s: float = 8,
                 timeout_s: float = 180) -> dict[str, dict]:
         """Each expression's values once none of them changed for ``quiet_s`` (Ray's agents
         export what processes recorded every few seconds, Prometheus scrapes every second)."""

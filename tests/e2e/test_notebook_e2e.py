@@ -4,22 +4,12 @@ draws its plot. The committed copy keeps the outputs of a run against a `ray up`
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import nbclient
-import nbformat
-
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "multi_protocol_tour.ipynb"
+from tests.e2e.notebooks import run_notebook
 
 
 def test_the_tour_notebook_runs_against_the_gateway(gateway_url, monkeypatch):
     monkeypatch.setenv("GATEWAY_URL", gateway_url)  # the kernel inherits this environment
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    outputs, text = run_notebook("multi_protocol_tour.ipynb")
     for line in ("chat:", "streamed:", "LMQL ANSWER:", "text-generation:", "huggingface_hub:",
                  "LMI: 200", "MindIE SSE:"):
         assert line in text, line

@@ -25,6 +25,7 @@ import websockets
 from engines.config import Controllers, ModelConfig
 from gateway.config import GatewayConfig
 from tests.aici_client import AiciClient
+from tests.e2e.notebooks import run_notebook
 from tests.e2e.prometheus import running_prometheus
 from tests.serve_session import (
     MAX_REQUEST_BYTES,
@@ -189,6 +190,21 @@ def test_every_dashboard_panel_has_data(metered_url, prometheus, pipeline_url):
             break
         time.sleep(2)
     assert not empty, empty
+
+
+def test_the_metrics_notebook_plots_ttft_and_itl_per_protocol(metered_url, prometheus,
+                                                              monkeypatch):
+    for name, value in (("GATEWAY_URL", metered_url), ("PROMETHEUS_URL", prometheus.url),
+                        ("NOTEBOOK_REQUESTS", "2"), ("NOTEBOOK_TOKENS", "8")):
+        monkeypatch.setenv(name, value)  # the kernel inherits this environment
+    outputs, text = run_notebook("metrics.ipynb")
+    rows = text[text.index("TTFT p50"):].splitlines()[1:6]
+    assert [row.split()[0] for row in rows] == ["openai", "anthropic", "responses", "tgi",
+                                                "mindie"]
+    for row in rows:  # every stream counted; each percentile a number of seconds
+        streams, *seconds = row.split()[1:]
+        assert float(streams) >= 2 and all(0 < float(s) < 600 for s in seconds), row
+    assert any("image/png" in o.get("data", {}) for o in outputs)
 
 
 def _replica_logs(prefix: str) -> str:
