@@ -55,8 +55,9 @@ VERSION = "0.1.0"
 
 
 def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
-               metrics: GatewayMetrics | None = None) -> FastAPI:
-    """``metrics``: where the request series go (default: Ray's metrics system)."""
+               metrics: GatewayMetrics | None = None, answer_ids: bool = True) -> FastAPI:
+    """``metrics``: where the request series go (default: Ray's metrics system);
+    ``answer_ids``: add ``x-request-id`` to responses (Serve adds it to a replica's)."""
     config = config or GatewayConfig()
     metrics = metrics or gateway_metrics()
     keys = config.keys()
@@ -76,7 +77,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     owners = {route.endpoint: spec.name for spec in specs for router in spec.routers
               for route in router.routes}
     # Outermost: every response (refusals by the other middlewares too) gets its request id.
-    app.add_middleware(RequestTelemetry, metrics=metrics, owners=owners)
+    app.add_middleware(RequestTelemetry, metrics=metrics, owners=owners, answer_ids=answer_ids)
     _add_error_handlers(app, errors)
     _add_own_routes(app, registry, specs)
     for spec in specs:
@@ -215,7 +216,7 @@ def serve_asgi_app(registry: ModelRegistry, config: GatewayConfig,
     ``capacity``, the generations it admits, is told to Serve's proxy in a header."""
     from gateway.tag_store import SharedTagStore
 
-    app = create_app(registry, config)
+    app = create_app(registry, config, answer_ids=False)
     # For Serve's proxy (gateway.proxy), which takes it off; HAProxy would pass it on.
     if capacity is not None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         app.add_middleware(CapacityHeader, capacity=capacity)

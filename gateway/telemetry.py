@@ -140,12 +140,16 @@ def _request_id(scope: dict) -> str:
 
 class RequestTelemetry:
     """ASGI middleware: the :class:`RequestRecord` of each request, ``x-request-id`` on its
-    response, refusals counted by reason, websockets open. ``owners``: endpoint → protocol."""
+    response, refusals counted by reason, websockets open. ``owners``: endpoint → protocol.
+    ``answer_ids``: whether to add ``x-request-id`` to responses (not in a Serve replica:
+    Serve's own middleware around the app adds it, with the same id)."""
 
-    def __init__(self, app, *, metrics: GatewayMetrics, owners: dict[Callable, str]):
+    def __init__(self, app, *, metrics: GatewayMetrics, owners: dict[Callable, str],
+                 answer_ids: bool = True):
         self.app = app
         self.metrics = metrics
         self.owners = owners
+        self.answer_ids = answer_ids
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -163,9 +167,8 @@ class RequestTelemetry:
     def _http_sender(self, record: RequestRecord, send):
         async def sender(message):
             if message["type"] == "http.response.start":
-                headers = message.setdefault("headers", [])
-                names = [name.lower() for name, _ in headers]
-                if b"x-request-id" not in names:
+                headers = message["headers"] = list(message.get("headers") or ())
+                if self.answer_ids and all(n.lower() != b"x-request-id" for n, _ in headers):
                     headers.append((b"x-request-id", record.request_id.encode("latin-1")))
                 content_type = next((v for n, v in headers if n.lower() == b"content-type"), b"")
                 record.streamed = content_type.startswith(STREAM_TYPES)

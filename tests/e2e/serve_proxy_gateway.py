@@ -79,8 +79,20 @@ def _asks(url: str, model: str) -> dict:
         out["lmtp_tokens"] = asyncio.run(_lmtp(url, model, prompt_ids))
         unknown = http.post("/v1/completions", json={"model": "no-such", "prompt": "x"})
         out["unknown_model"] = [unknown.status_code, sorted(unknown.json())]
+        out["request_ids"] = _request_ids(http, model)
         out["disconnect"] = _disconnect(http, model)
     return out
+
+
+def _request_ids(http: httpx.Client, model: str) -> list[list[str]]:
+    """The ``x-request-id`` headers of a completion with the client's id, of one without, and
+    of a refusal with the client's id."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2}
+    mine = {"x-request-id": "client-proxy-1"}
+    return [http.post("/v1/completions", json=body, headers=mine).headers.get_list("x-request-id"),
+            http.post("/v1/completions", json=body).headers.get_list("x-request-id"),
+            http.post("/v1/completions", json={**body, "model": "no-such"}, headers=mine
+                      ).headers.get_list("x-request-id")]
 
 
 def _disconnect(http: httpx.Client, model: str) -> dict:

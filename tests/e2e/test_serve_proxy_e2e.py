@@ -42,6 +42,12 @@ def test_every_protocol_through_serves_proxy_equals_vllm(proxy_run, engine_handl
     assert asks["unknown_model"] == [404, ["error"]]
 
 
+def test_one_request_id_per_response_behind_serves_proxy(proxy_run):
+    mine, theirs, refused = proxy_run["asks"]["request_ids"]
+    assert mine == ["client-proxy-1"] and refused == ["client-proxy-1"]
+    assert len(theirs) == 1 and theirs[0] not in ("", "client-proxy-1")
+
+
 def test_a_dropped_stream_aborts_the_engine_request_behind_serves_proxy(proxy_run):
     gone = proxy_run["asks"]["disconnect"]
     assert gone["aborted_after"] == gone["aborted_before"] + 1 and gone["active"] == 0
