@@ -97,6 +97,20 @@ def _proxy_own(scope) -> bool:
     return scope["type"] not in ("http", "websocket") or scope["path"].startswith("/-/")
 
 
+def _one_request_id(start: dict) -> None:
+    """Serve writes ``x-request-id`` twice behind its proxy (its proxy's middleware and the
+    replica's, the same id): a client reads one."""
+    seen = False
+    headers = []
+    for name, value in start.get("headers") or ():
+        if name.lower() == b"x-request-id":
+            if seen:
+                continue
+            seen = True
+        headers.append((name, value))
+    start["headers"] = headers
+
+
 class ProxyErrorShape:
     """Pure ASGI middleware for the proxy: plain-text errors become the protocol's error, and
     a request that ends with no response at all becomes a 503 with ``Retry-After``."""
@@ -118,6 +132,7 @@ class ProxyErrorShape:
                     held = message
                     return
                 started = True
+                _one_request_id(message)
             elif held is not None and message["type"] == "http.response.body":
                 if not message.get("more_body"):
                     status = held["status"]

@@ -10,4 +10,5 @@ export RAY_USAGE_STATS_ENABLED=0
 "$PY" -m ruff check .
 # The console script next to this interpreter (no `python -m` entry point exists).
 "$(dirname "$PY")/lint-imports"
-exec "$PY" -m pytest -ra "$@"
+# The slowest tests, so that the suite's time (CI keeps it near 30 minutes) can be watched.
+exec "$PY" -m pytest -ra --durations=30 "$@"

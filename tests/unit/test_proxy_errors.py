@@ -156,3 +156,16 @@ def test_an_openai_error_body_for_a_status_http_does_not_name():
 
     assert error_body(499, "gone")["error"] == {"message": "gone", "type": "error",
                                                 "param": None, "code": 499}
+
+
+async def test_one_request_id_reaches_the_client():
+    """Serve's proxy and the replica both write ``x-request-id`` (the same id)."""
+    async def twice(scope, receive, send):
+        response = JSONResponse({"ok": True})
+        response.headers.append("x-request-id", "abc")
+        response.headers.append("X-Request-ID", "abc")
+        await response(scope, receive, send)
+
+    async with _client(twice) as client:
+        answer = await client.get("/v1/models")
+    assert answer.headers.get_list("x-request-id") == ["abc"] and answer.json() == {"ok": True}
