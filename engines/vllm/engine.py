@@ -243,11 +243,12 @@ def _ray_stat_loggers() -> list | None:
     """In a Ray worker, vLLM's own series (queue, running, KV cache use, its TTFT and ITL)
     through Ray's metrics system instead of a registry in this process, so that every replica
     is exported (docs/observability.md); as Ray Serve LLM does."""
-    import ray
-
+    try:
+        import ray
+    except ImportError:  # vLLM without Ray
+        return None
     if not ray.is_initialized():
         return None
     from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
     return [RayPrometheusStatLogger]
-

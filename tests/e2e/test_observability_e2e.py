@@ -11,9 +11,7 @@ counters (``ray_vllm_*``, counted inside vLLM, no gateway code) for the tokens.
 from __future__ import annotations
 
 import asyncio
-import glob
 import json
-import os
 import time
 import uuid
 from pathlib import Path
@@ -27,6 +25,7 @@ from gateway.config import GatewayConfig
 from tests.aici_client import AiciClient
 from tests.e2e.notebooks import run_notebook
 from tests.e2e.prometheus import running_prometheus
+from tests.e2e.serve_logs import replica_logs
 from tests.serve_session import (
     MAX_REQUEST_BYTES,
     MODEL,
@@ -207,15 +206,6 @@ def test_the_metrics_notebook_plots_ttft_and_itl_per_protocol(metered_url, prome
     assert any("image/png" in o.get("data", {}) for o in outputs)
 
 
-def _replica_logs(prefix: str) -> str:
-    import ray
-
-    directory = ray._private.worker.global_worker.node.get_logs_dir_path()
-    paths = glob.glob(os.path.join(directory, "serve", f"replica_{prefix}*.log"))
-    assert paths, f"no replica log replica_{prefix}* in {directory}/serve"
-    return "".join(Path(path).read_text(errors="replace") for path in paths)
-
-
 @pytest.mark.parametrize("layout", ["default", "metered"])
 def test_request_ids_round_trip_on_every_http_protocol(layout, gateway_url, metered_url):
     url = gateway_url if layout == "default" else metered_url
@@ -247,7 +237,8 @@ def test_the_request_id_is_in_the_engine_replicas_log(metered_url):
                           json={"inputs": TEXT, "parameters": {"max_new_tokens": 2}})
     assert response.status_code == 200, response.text
     deadline = time.monotonic() + 60
-    while mine not in _replica_logs(f"{MODEL_APP}_") and time.monotonic() < deadline:
+    while mine not in "".join(replica_logs(MODEL_APP).values()) and time.monotonic() < deadline:
         time.sleep(1)
-    lines = [line for line in _replica_logs(f"{MODEL_APP}_").splitlines() if mine in line]
-    assert lines, f"{mine} is not in the engine replica's log"
+    lines = [line for text in replica_logs(MODEL_APP).values() for line in text.splitlines()
+             if mine in line]
+    assert any("generation" in line for line in lines), (mine, lines)

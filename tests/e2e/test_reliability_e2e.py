@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,7 @@ from engines.embedded import local_model_dir
 from gateway.config import GatewayConfig
 from gateway.model_routes import model_route
 from tests.e2e.conftest import MODEL
+from tests.e2e.serve_logs import replica_logs
 from tests.pipeline_models import build_tiny
 from tests.serve_session import _wait_healthy
 
@@ -257,6 +259,28 @@ async def _stream_or_cut(c: httpx.AsyncClient, started: asyncio.Event, log: list
     log.append((ended, time.monotonic()))
 
 
+async def _until_routed_to_every_replica(c: httpx.AsyncClient, timeout_s: float = 60) -> None:
+    """Until HAProxy sends requests to every running replica: it learns of a replacement some
+    time after Serve reports it running (an earlier test killed one), and meanwhile every
+    stream went to the other one. Which replica served a request: the one whose log has the
+    request's id on its generation line (engines/host.py)."""
+    running = {name.rsplit("#", 1)[1] for name, _ in _replicas()}
+    served: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while served != running:
+        assert time.monotonic() < deadline, (served, running)
+        mine = f"route-{uuid.uuid4().hex[:12]}"
+        r = await c.post("/v1/completions", json=_completion(2), headers={"x-request-id": mine})
+        assert r.status_code == 200, r.text
+        for _ in range(50):  # the line is written as the generation closes, after the answer
+            logged = [replica for replica, text in replica_logs(MODEL_APP).items()
+                      if mine in text]
+            if logged:
+                served.update(logged)
+                break
+            await asyncio.sleep(0.1)
+
+
 async def test_a_killed_replica_cuts_the_streams_it_served_itself(gateway_url, faults_url):
     """Requests naming the model at the public root go straight to the model's own
     application (HAProxy), whose replica is then also their HTTP server: when its process
@@ -265,6 +289,7 @@ async def test_a_killed_replica_cuts_the_streams_it_served_itself(gateway_url, f
     end), the other replica's streams finish, and new requests are served. docs/cluster.md,
     "The default layout"."""
     async with httpx.AsyncClient(base_url=gateway_url, headers=AUTH, timeout=120) as c:
+        await _until_routed_to_every_replica(c)
         started, ended = asyncio.Event(), []
         streams = [asyncio.ensure_future(_stream_or_cut(c, started, ended)) for _ in range(4)]
         await asyncio.wait_for(started.wait(), 30)
