@@ -57,6 +57,19 @@ class EngineMetrics:
             "llm_gateway_pipeline_restarts",
             description="Times a pipeline's sequences were re-run after a stage failed.",
             tag_keys=("model",))
+        def vllm(kind: str, name: str, description: str) -> Any:
+            return getattr(make, kind)(f"llm_gateway_vllm_{name}", description=description,
+                                       tag_keys=("model",))
+
+        # vLLM's own figures, sampled (engines/vllm/stats.py).
+        self.vllm_running = vllm("Gauge", "requests_running", "Requests vLLM runs now.")
+        self.vllm_waiting = vllm("Gauge", "requests_waiting", "Requests waiting in vLLM.")
+        self.vllm_kv_cache_usage = vllm("Gauge", "kv_cache_usage",
+                                        "Fraction of vLLM's KV cache in use (0-1).")
+        self.vllm_prompt_tokens = vllm("Counter", "prompt_tokens", "Prompt tokens vLLM took.")
+        self.vllm_generation_tokens = vllm("Counter", "generation_tokens",
+                                           "Tokens vLLM generated.")
+        self.vllm_finished = vllm("Counter", "requests_finished", "Requests vLLM finished.")
         self.controller_step = make.Histogram(
             "llm_gateway_controller_step_seconds",
             description="A controller runtime's work for one engine step (seconds).",

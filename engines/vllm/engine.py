@@ -240,15 +240,15 @@ class VLLMEngine:
 
 
 def _ray_stat_loggers() -> list | None:
-    """In a Ray worker, vLLM's own series (queue, running, KV cache use, its TTFT and ITL)
-    through Ray's metrics system instead of a registry in this process, so that every replica
-    is exported (docs/observability.md); as Ray Serve LLM does."""
+    """In a Ray worker, vLLM's own figures through Ray's metrics system, so that every replica
+    is exported (docs/observability.md): sampled, not vLLM's per-token Ray logger
+    (engines/vllm/stats.py says what that cost)."""
     try:
         import ray
     except ImportError:  # vLLM without Ray
         return None
     if not ray.is_initialized():
         return None
-    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+    from engines.vllm.stats import SampledStats
 
-    return [RayPrometheusStatLogger]
+    return [SampledStats]

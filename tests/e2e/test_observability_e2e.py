@@ -5,7 +5,8 @@ dashboard's every expression is run against it; request ids round-trip and reach
 replica's log.
 
 Oracles: the mix itself (what was sent, how many streamed, which were refused) and vLLM's own
-counters (``ray_vllm_*``, counted inside vLLM, no gateway code) for the tokens.
+counts for the tokens (its scheduler's per-step figures, ``ray_llm_gateway_vllm_*``, not the
+usage the gateway reads from each generation's end).
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ SERIES = {  # expression → the labels its values are keyed by
     'sum by (protocol, reason) (ray_llm_gateway_refusals_total)': ("protocol", "reason"),
     f'sum(ray_llm_gateway_generation_tokens_total{{model="{MODEL}"}})': (),
     f'sum(ray_llm_gateway_prompt_tokens_total{{model="{MODEL}"}})': (),
-    f'sum(ray_vllm_generation_tokens_total{{model_name="{MODEL}"}})': (),
-    f'sum(ray_vllm_prompt_tokens_total{{model_name="{MODEL}"}})': (),
-    f'sum(ray_vllm_request_success_total{{model_name="{MODEL}"}})': (),
+    f'sum(ray_llm_gateway_vllm_generation_tokens_total{{model="{MODEL}"}})': (),
+    f'sum(ray_llm_gateway_vllm_prompt_tokens_total{{model="{MODEL}"}})': (),
+    f'sum(ray_llm_gateway_vllm_requests_finished_total{{model="{MODEL}"}})': (),
 }
 REQUESTS, TTFT, REFUSALS, TOKENS_OUT, TOKENS_IN, VLLM_OUT, VLLM_IN, VLLM_DONE = SERIES
 

@@ -246,3 +246,34 @@ async def test_a_generation_the_client_left_is_aborted_and_no_longer_in_flight(r
 
 def test_every_engine_series_is_declared_with_a_description(recorded):
     EngineMetrics(recorded)  # the stand-in checks names and descriptions
+
+
+def test_vllms_figures_are_summed_per_step_and_sent_once_a_second(recorded, monkeypatch):
+    from types import SimpleNamespace
+
+    from engines.vllm import stats
+
+    monkeypatch.setattr(stats, "engine_metrics", lambda: EngineMetrics(recorded))
+    clock = [100.0]
+    monkeypatch.setattr(stats.time, "monotonic", lambda: clock[0])
+    logger = stats.SampledStats(SimpleNamespace(model_config=SimpleNamespace(
+        served_model_name="m")))
+
+    def step(prompt=0, generated=1, finished=0, running=2):
+        logger.record(SimpleNamespace(num_running_reqs=running, num_waiting_reqs=1,
+                                      kv_cache_usage=0.25),
+                      SimpleNamespace(num_prompt_tokens=prompt, num_generation_tokens=generated,
+                                      finished_requests=[object()] * finished))
+
+    step(prompt=7)  # the first step is sent
+    step(), step()  # within the second: kept
+    assert recorded.count("llm_gateway_vllm_generation_tokens") == 1
+    assert recorded.count("llm_gateway_vllm_prompt_tokens") == 7
+    step(finished=1, running=0)  # a request finished: sent at once
+    assert recorded.count("llm_gateway_vllm_generation_tokens") == 4
+    assert recorded.count("llm_gateway_vllm_requests_finished") == 1
+    assert recorded.levels["llm_gateway_vllm_requests_running"] == {(("model", "m"),): 0}
+    clock[0] += 1.5
+    step(generated=2)  # a second later: sent
+    assert recorded.count("llm_gateway_vllm_generation_tokens") == 6
+    assert recorded.levels["llm_gateway_vllm_kv_cache_usage"] == {(("model", "m"),): 0.25}
