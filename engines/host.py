@@ -171,9 +171,10 @@ class EngineHost:
             # nothing was cut short then, so it is no abort.
             if not finished and progress.open:
                 self.aborted += 1
-            # One line per generation; Serve's log handlers add the request's id (the
-            # client's x-request-id), so an operator finds it by that (docs/observability.md).
-            log.info("generation %s: %s, %d prompt + %d generated tokens in %.3f s",
+            # One line per generation at DEBUG (at INFO it cost a visible share of the CPU
+            # outside the engine, docs/benchmarks.md "Observability"); Serve's access line
+            # for the call carries the request's id at INFO (docs/observability.md).
+            log.debug("generation %s: %s, %d prompt + %d generated tokens in %.3f s",
                      request_id, progress.outcome, progress.prompt_tokens, progress.tokens,
                      time.monotonic() - progress.started)
 

@@ -263,7 +263,7 @@ async def _until_routed_to_every_replica(c: httpx.AsyncClient, timeout_s: float 
     """Until HAProxy sends requests to every running replica: it learns of a replacement some
     time after Serve reports it running (an earlier test killed one), and meanwhile every
     stream went to the other one. Which replica served a request: the one whose log has the
-    request's id on its generation line (engines/host.py)."""
+    request's id (on Serve's access line)."""
     running = {name.rsplit("#", 1)[1] for name, _ in _replicas()}
     served: set[str] = set()
     deadline = time.monotonic() + timeout_s
@@ -272,7 +272,7 @@ async def _until_routed_to_every_replica(c: httpx.AsyncClient, timeout_s: float 
         mine = f"route-{uuid.uuid4().hex[:12]}"
         r = await c.post("/v1/completions", json=_completion(2), headers={"x-request-id": mine})
         assert r.status_code == 200, r.text
-        for _ in range(50):  # the line is written as the generation closes, after the answer
+        for _ in range(50):  # the line is written as the call ends, after the answer
             logged = [replica for replica, text in replica_logs(MODEL_APP).items()
                       if mine in text]
             if logged:
