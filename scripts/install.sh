@@ -39,7 +39,8 @@ if ! command -v prometheus >/dev/null 2>&1; then
     echo "[install] prometheus (Debian package)"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
       >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
-      apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+      apt-get install -y -q --no-install-recommends prometheus >/dev/null; } \
+      || echo "[install] apt-get could not install prometheus: the observability tests need one"
   else
     echo "[install] no prometheus on PATH and no root apt-get: the observability tests need one"
   fi
