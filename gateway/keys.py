@@ -23,9 +23,9 @@ from urllib.parse import parse_qs
 import msgspec
 
 from gateway.limits import route_path
+from gateway.registry import EngineWrapper
 from gateway.telemetry import refused_for
-from protocols.contract import EngineClient
-from protocols.internal import EngineStats, ErrorEvent, Event, FinalEvent, GenerateRequest, ModelInfo, Prompt
+from protocols.internal import ErrorEvent, Event, FinalEvent, GenerateRequest
 
 __all__ = ["ApiKey", "KeyAuth", "KeyState", "MeteredEngine", "current_key"]
 
@@ -148,11 +148,8 @@ class KeyAuth:
         return await response(scope, receive, send)
 
 
-class MeteredEngine:
+class MeteredEngine(EngineWrapper):
     """An engine whose generations count against the calling key's token budget."""
-
-    def __init__(self, inner: EngineClient):
-        self.inner = inner
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         state = current_key.get()
@@ -176,21 +173,3 @@ class MeteredEngine:
                     prompt_charged = True
                 bucket.take(used)
             yield event
-
-    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
-        return await self.inner.tokenize(prompt)
-
-    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
-        return await self.inner.detokenize(token_ids)
-
-    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
-        return await self.inner.detokenize_each(token_ids)
-
-    async def model_info(self) -> ModelInfo:
-        return await self.inner.model_info()
-
-    async def check_health(self) -> None:
-        await self.inner.check_health()
-
-    async def stats(self) -> EngineStats:
-        return await self.inner.stats()

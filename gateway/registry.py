@@ -8,9 +8,35 @@ from collections.abc import Callable
 import msgspec
 
 from protocols.contract import EngineClient
-from protocols.internal import ModelInfo, ModelNotFound, ModelRequired
+from protocols.internal import EngineStats, ModelInfo, ModelNotFound, ModelRequired, Prompt
 
-__all__ = ["ModelRegistry"]
+__all__ = ["EngineWrapper", "ModelRegistry"]
+
+
+class EngineWrapper:
+    """An engine client around ``inner`` (what :meth:`ModelRegistry.with_engines` wraps with):
+    everything but ``generate``, which each wrapper defines, goes to ``inner`` unchanged."""
+
+    def __init__(self, inner: EngineClient):
+        self.inner = inner
+
+    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        return await self.inner.tokenize(prompt)
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
+        return await self.inner.detokenize(token_ids)
+
+    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+        return await self.inner.detokenize_each(token_ids)
+
+    async def model_info(self) -> ModelInfo:
+        return await self.inner.model_info()
+
+    async def check_health(self) -> None:
+        await self.inner.check_health()
+
+    async def stats(self) -> EngineStats:
+        return await self.inner.stats()
 
 
 class ModelRegistry:

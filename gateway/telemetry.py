@@ -22,15 +22,13 @@ from contextvars import ContextVar
 from typing import Any
 
 from engines.telemetry import LATENCY_BUCKETS_S, LEVELS, TOKEN_GAP_BUCKETS_S, ray_metrics
+from gateway.registry import EngineWrapper
 from protocols.contract import EngineClient
 from protocols.internal import (
-    EngineStats,
     ErrorEvent,
     Event,
     FinalEvent,
     GenerateRequest,
-    ModelInfo,
-    Prompt,
     TokenEvent,
 )
 
@@ -247,11 +245,11 @@ class _Generation:
         return self.outcome or "aborted"
 
 
-class InstrumentedEngine:
+class InstrumentedEngine(EngineWrapper):
     """An engine client whose generations are measured for the current request's protocol."""
 
     def __init__(self, inner: EngineClient, *, model: str, engine: str, metrics: GatewayMetrics):
-        self.inner = inner
+        super().__init__(inner)
         self.model = model
         self.engine = engine
         self.metrics = metrics
@@ -294,21 +292,3 @@ class InstrumentedEngine:
             metrics.ttft.observe(seen.first_s - seen.started_s, tags=tags)
             for gap in seen.gaps:
                 metrics.itl.observe(gap, tags=tags)
-
-    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
-        return await self.inner.tokenize(prompt)
-
-    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
-        return await self.inner.detokenize(token_ids)
-
-    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
-        return await self.inner.detokenize_each(token_ids)
-
-    async def model_info(self) -> ModelInfo:
-        return await self.inner.model_info()
-
-    async def check_health(self) -> None:
-        await self.inner.check_health()
-
-    async def stats(self) -> EngineStats:
-        return await self.inner.stats()
