@@ -27,6 +27,11 @@ MODEL_APP = "model"  # the model's own application
 # Small, so the 413 path is exercised through Ray Serve without shipping 64 MiB bodies.
 MAX_REQUEST_BYTES = 1 << 20
 METRICS_REPORT_MS = 2000
+# Ray's CPUs are placement tokens here, not cores: the session's applications reserve ~2.05 of
+# them in all (the vLLM replica 0.5 and its ingress 0.25, the pipeline 0.75, the colocated 0.2,
+# the metered 0.1, the faults 0.25) and stand idle most of the time. On a 2-core box Ray would
+# offer 2, and Serve waits forever for a replica it cannot place.
+SESSION_CPUS = 4
 
 
 
@@ -54,7 +59,7 @@ def gateway_url():
     # Serve's proxy inherits Ray's environment: errors it writes itself come in shape.
     serve_env.apply()
     port = free_port()
-    ray.init(include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
              # Metrics reach the agents in 2 s instead of 10 (the observability tests wait on
              # them); one small export per process every 2 s.
