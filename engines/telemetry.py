@@ -12,6 +12,7 @@ Series are built once per process (:func:`series`); tests inject a recording sta
 
 from __future__ import annotations
 
+import bisect
 import functools
 import threading
 import time
@@ -19,7 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BATCH_BUCKETS_S", "LATENCY_BUCKETS_S", "STEP_BUCKETS_S", "TOKEN_GAP_BUCKETS_S",
-           "LEVELS", "EngineMetrics", "Levels", "engine_metrics", "ray_metrics"]
+           "LEVELS", "CountedHistogram", "EngineMetrics", "Levels", "engine_metrics",
+           "ray_metrics"]
 
 # Seconds. Wide enough for a 2-core CPU box (a first token after seconds of queueing) and fine
 # enough for a GPU (tens of milliseconds).
@@ -88,11 +90,24 @@ class Levels:
     a gauge's sum instead of reporting 0. Levels are kept here and re-set by one daemon thread.
     """
 
-    def __init__(self, refresh_s: float = 1.0):
-        self.refresh_s = refresh_s
+    def __init__(self, refresh_s: float | None = 1.0):
+        self.refresh_s = refresh_s  # None: no thread; whoever made it calls refresh()
         self._levels: dict[tuple[int, tuple[str, ...]], tuple[Any, dict[str, str], float]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._exporters: list[Callable[[], None]] = []
+
+    def export_with_levels(self, export: Callable[[], None]) -> None:
+        """Call ``export`` (it sets gauges) every ``refresh_s`` seconds, with the levels."""
+        with self._lock:
+            self._exporters.append(export)
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None and self.refresh_s is not None:
+            self._thread = threading.Thread(target=self._refresh, daemon=True,
+                                            name="metrics-levels")
+            self._thread.start()
 
     def set(self, gauge: Any, tags: dict[str, str], value: float) -> None:
         self._put(gauge, tags, lambda _: value)
@@ -106,19 +121,80 @@ class Levels:
         with self._lock:
             value = new(self._levels[key][2] if key in self._levels else 0)
             self._levels[key] = (gauge, tags, value)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._refresh, daemon=True,
-                                                name="metrics-levels")
-                self._thread.start()
+            self._start()
         gauge.set(value, tags=tags)
 
     def _refresh(self) -> None:
         while True:
-            time.sleep(self.refresh_s)
-            with self._lock:
-                levels = list(self._levels.values())
-            for gauge, tags, value in levels:
-                gauge.set(value, tags=tags)
+            time.sleep(self.refresh_s or 1.0)
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Set every level again and run every exporter (the thread's work, once)."""
+        with self._lock:
+            levels = list(self._levels.values())
+            exporters = list(self._exporters)
+        for gauge, tags, value in levels:
+            gauge.set(value, tags=tags)
+        for export in exporters:
+            export()
+
+
+class CountedHistogram:
+    """A histogram counted in this process and handed to Ray as gauges: its cumulative
+    ``<name>_bucket`` (tag ``le``), ``<name>_count`` and ``<name>_sum``, set again with the
+    levels every second. In Prometheus they read as a histogram's series do
+    (``histogram_quantile`` over ``rate`` of the buckets).
+
+    For what is observed once per generated token. Ray's ``Histogram`` costs about 5 µs an
+    observation in the process, and its metrics agent then replays every observation counted
+    (about as much again): together more than the gateway's whole per-token budget allows
+    (docs/observability.md). Counting here is a bisect and two additions per value.
+    """
+
+    def __init__(self, make: Any, name: str, description: str, boundaries: tuple[float, ...],
+                 tag_keys: tuple[str, ...], levels: Levels):
+        self.boundaries = boundaries
+        self._bounds = [*(repr(float(b)) for b in boundaries), "+Inf"]
+        self._buckets = make.Gauge(f"{name}_bucket", description=f"{description} Cumulative "
+                                   "count of values up to le.", tag_keys=(*tag_keys, "le"))
+        self._count = make.Gauge(f"{name}_count", description=f"{description} Count.",
+                                 tag_keys=tag_keys)
+        self._sum = make.Gauge(f"{name}_sum", description=f"{description} Sum.",
+                               tag_keys=tag_keys)
+        # Tag values → (tags, count per bucket, the last one past every bound; sum).
+        self._counted: dict[tuple[str, ...], tuple[dict[str, str], list[int], list[float]]] = {}
+        self._lock = threading.Lock()
+        self._levels = levels
+        self._exporting = False
+
+    def observe_all(self, values: list[float], tags: dict[str, str]) -> None:
+        """Count ``values`` (e.g. one generation's gaps between tokens) under ``tags``."""
+        bounds = self.boundaries
+        with self._lock:
+            counted = self._counted.get(key := tuple(tags.values()))
+            if counted is None:
+                counted = self._counted[key] = (dict(tags), [0] * (len(bounds) + 1), [0.0])
+            counts = counted[1]
+            for value in values:
+                counts[bisect.bisect_left(bounds, value)] += 1
+            counted[2][0] += sum(values)
+            start, self._exporting = not self._exporting, True
+        if start:
+            self._levels.export_with_levels(self.export)
+
+    def export(self) -> None:
+        """Hand the counts so far to Ray."""
+        with self._lock:
+            counted = [(tags, list(counts), total[0]) for tags, counts, total
+                       in self._counted.values()]
+        for tags, counts, total in counted:
+            cumulative = 0
+            for bound, count in zip(self._bounds, counts, strict=True):
+                cumulative += count
+                self._buckets.set(cumulative, tags={**tags, "le": bound})
+            self._count.set(cumulative, tags=tags)
+            self._sum.set(total, tags=tags)
 
 
 LEVELS = Levels()

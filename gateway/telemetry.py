@@ -21,7 +21,14 @@ from contextlib import aclosing
 from contextvars import ContextVar
 from typing import Any
 
-from engines.telemetry import LATENCY_BUCKETS_S, LEVELS, TOKEN_GAP_BUCKETS_S, ray_metrics
+from engines.telemetry import (
+    LATENCY_BUCKETS_S,
+    LEVELS,
+    TOKEN_GAP_BUCKETS_S,
+    CountedHistogram,
+    Levels,
+    ray_metrics,
+)
 from gateway.registry import EngineWrapper
 from protocols.contract import EngineClient
 from protocols.internal import (
@@ -47,9 +54,11 @@ _REASONS = {400: "validation", 401: "unauthorized", 403: "unauthorized", 404: "n
 
 
 class GatewayMetrics:
-    """The gateway's series (their names, tags and buckets: docs/observability.md)."""
+    """The gateway's series (their names, tags and buckets: docs/observability.md); ``levels``
+    keeps the gauges set (Ray forgets a gauge its process stopped setting)."""
 
-    def __init__(self, make: Any):
+    def __init__(self, make: Any, levels: Levels = LEVELS):
+        self.levels = levels
         def histogram(name: str, description: str, buckets: tuple[float, ...]) -> Any:
             return make.Histogram(name, description=description, boundaries=list(buckets),
                                   tag_keys=GENERATION_TAGS)
@@ -70,9 +79,11 @@ class GatewayMetrics:
         self.ttft = histogram("llm_gateway_time_to_first_token_seconds",
                               "Streamed generations: arrival to first token (seconds).",
                               LATENCY_BUCKETS_S)
-        self.itl = histogram("llm_gateway_inter_token_latency_seconds",
-                             "Streamed generations: between consecutive tokens (seconds).",
-                             TOKEN_GAP_BUCKETS_S)
+        # Observed once per token: counted here, not by Ray (CountedHistogram says why).
+        self.itl = CountedHistogram(
+            make, "llm_gateway_inter_token_latency_seconds",
+            "Streamed generations: between consecutive tokens (seconds).",
+            TOKEN_GAP_BUCKETS_S, GENERATION_TAGS, levels)
         self.latency = histogram("llm_gateway_request_latency_seconds",
                                  "Generations: arrival to end (seconds).", LATENCY_BUCKETS_S)
         self.in_flight = make.Gauge("llm_gateway_requests_in_flight",
@@ -185,14 +196,14 @@ class RequestTelemetry:
         async def sender(message):
             if message["type"] == "websocket.accept" and not tags:
                 tags["protocol"] = record.protocol  # routed by now
-                LEVELS.add(self.metrics.websockets, tags, +1)
+                self.metrics.levels.add(self.metrics.websockets, tags, +1)
             await send(message)
 
         try:
             await self.app(record.scope, receive, sender)
         finally:
             if tags:
-                LEVELS.add(self.metrics.websockets, tags, -1)
+                self.metrics.levels.add(self.metrics.websockets, tags, -1)
 
 
 class _Generation:
@@ -259,7 +270,7 @@ class InstrumentedEngine(EngineWrapper):
         tags = {"model": self.model, "protocol": record.protocol if record else "gateway",
                 "engine": self.engine}
         seen = _Generation(request.sampling.n)
-        LEVELS.add(self.metrics.in_flight, tags, +1)
+        self.metrics.levels.add(self.metrics.in_flight, tags, +1)
         try:
             # aclosing: closing this stream (the client left) closes the engine's now, which
             # aborts its request.
@@ -268,7 +279,7 @@ class InstrumentedEngine(EngineWrapper):
                     seen.see(event)
                     yield event
         finally:
-            LEVELS.add(self.metrics.in_flight, tags, -1)
+            self.metrics.levels.add(self.metrics.in_flight, tags, -1)
             self._record(seen, record, tags)
 
     def _record(self, seen: _Generation, record: RequestRecord | None,
@@ -290,5 +301,5 @@ class InstrumentedEngine(EngineWrapper):
             metrics.forced_tokens.inc(forced, tags=tags)
         if seen.first_s is not None and record is not None and record.streamed:
             metrics.ttft.observe(seen.first_s - seen.started_s, tags=tags)
-            for gap in seen.gaps:
-                metrics.itl.observe(gap, tags=tags)
+            if seen.gaps:
+                metrics.itl.observe_all(seen.gaps, tags)

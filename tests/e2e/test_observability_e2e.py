@@ -78,6 +78,8 @@ SERIES = {  # expression → the labels its values are keyed by
         ("protocol", "outcome"),
     f'sum by (protocol) (ray_llm_gateway_time_to_first_token_seconds_count{{model="{MODEL}"}})':
         ("protocol",),
+    f'sum by (protocol) (ray_llm_gateway_inter_token_latency_seconds_count{{model="{MODEL}"}})':
+        ("protocol",),
     'sum by (protocol, reason) (ray_llm_gateway_refusals_total)': ("protocol", "reason"),
     f'sum(ray_llm_gateway_generation_tokens_total{{model="{MODEL}"}})': (),
     f'sum(ray_llm_gateway_prompt_tokens_total{{model="{MODEL}"}})': (),
@@ -85,7 +87,7 @@ SERIES = {  # expression → the labels its values are keyed by
     f'sum(ray_llm_gateway_vllm_prompt_tokens_total{{model="{MODEL}"}})': (),
     f'sum(ray_llm_gateway_vllm_requests_finished_total{{model="{MODEL}"}})': (),
 }
-REQUESTS, TTFT, REFUSALS, TOKENS_OUT, TOKENS_IN, VLLM_OUT, VLLM_IN, VLLM_DONE = SERIES
+REQUESTS, TTFT, ITL, REFUSALS, TOKENS_OUT, TOKENS_IN, VLLM_OUT, VLLM_IN, VLLM_DONE = SERIES
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -156,6 +158,8 @@ def test_counters_equal_what_was_sent_across_two_ingress_replicas(metered_url, p
     # Streamed: 2 completions and a chat, Anthropic's stream, TGI's, LMTP's socket, AICI's run.
     assert delta[TTFT] == {("openai",): 3, ("anthropic",): 1, ("tgi",): 1, ("lmtp",): 1,
                            ("aici",): 1}
+    # A gap between each two tokens of those streams (the histogram counted in the replicas).
+    assert delta[ITL] == {key: streams * (TOKENS - 1) for key, streams in delta[TTFT].items()}
     assert delta[REFUSALS] == {("openai", "validation"): 1, ("openai", "not_found"): 2,
                                ("tgi", "validation"): 1}
     # Tokens: what vLLM itself counted, and 14 finished generations of TOKENS each.

@@ -14,7 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from engines.config import ModelConfig
-from engines.telemetry import EngineMetrics
+from engines.telemetry import CountedHistogram, EngineMetrics, Levels
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.keys import ApiKey
@@ -37,6 +37,7 @@ class Recorded:
     ``levels[name][tags]`` (tags as sorted item tuples)."""
 
     def __init__(self):
+        self.keeper = Levels(refresh_s=None)  # no thread: a test calls keeper.refresh()
         self.counts = defaultdict(lambda: defaultdict(float))
         self.observed = defaultdict(lambda: defaultdict(list))
         self.levels = defaultdict(dict)
@@ -71,6 +72,14 @@ class Recorded:
         return [v for key, values in self.observed[name].items()
                 if set(tags.items()) <= set(key) for v in values]
 
+    def level(self, name: str, **tags) -> float:
+        """The sum of the levels of ``name`` whose tags include ``tags``."""
+        return sum(value for key, value in self.levels[name].items()
+                   if set(tags.items()) <= set(key))
+
+    def metrics(self) -> GatewayMetrics:
+        return GatewayMetrics(self, self.keeper)
+
 
 @pytest.fixture
 def recorded() -> Recorded:
@@ -80,7 +89,7 @@ def recorded() -> Recorded:
 def _app(recorded: Recorded, engine: FakeEngine | None = None, **config):
     settings = GatewayConfig(models=[ModelConfig(name="fake-model")], **config)
     return create_app(ModelRegistry({"fake-model": engine or FakeEngine()}), settings,
-                      metrics=GatewayMetrics(recorded))
+                      metrics=recorded.metrics())
 
 
 @pytest.fixture
@@ -104,7 +113,8 @@ async def test_a_whole_completion_counts_its_outcome_tokens_and_latency(http, re
     assert len(recorded.observations("llm_gateway_request_latency_seconds", **OPENAI)) == 1
     # Not streamed: the client saw no first token before the whole answer.
     assert not recorded.observed["llm_gateway_time_to_first_token_seconds"]
-    assert not recorded.observed["llm_gateway_inter_token_latency_seconds"]
+    recorded.keeper.refresh()
+    assert not recorded.levels["llm_gateway_inter_token_latency_seconds_count"]
     assert recorded.levels["llm_gateway_requests_in_flight"] == {
         tuple(sorted(OPENAI.items())): 0}
 
@@ -115,8 +125,9 @@ async def test_a_stream_has_one_first_token_and_a_gap_per_further_token(http, re
         assert response.status_code == 200
         await response.aread()
     assert len(recorded.observations("llm_gateway_time_to_first_token_seconds", **OPENAI)) == 1
-    gaps = recorded.observations("llm_gateway_inter_token_latency_seconds", **OPENAI)
-    assert len(gaps) == 4 and all(gap >= 0 for gap in gaps)
+    recorded.keeper.refresh()  # the gaps are counted in the process, handed to Ray from here
+    assert recorded.level("llm_gateway_inter_token_latency_seconds_count", **OPENAI) == 4
+    assert recorded.level("llm_gateway_inter_token_latency_seconds_sum", **OPENAI) >= 0
     assert recorded.count("llm_gateway_requests", outcome="length") == 1
 
 
@@ -223,7 +234,7 @@ OUTCOMES = [
 @pytest.mark.parametrize(("events", "n", "outcome"), OUTCOMES)
 async def test_a_generations_outcome(recorded, events, n, outcome):
     engine = InstrumentedEngine(_Scripted(*events), model="m", engine="k",
-                                metrics=GatewayMetrics(recorded))
+                                metrics=recorded.metrics())
     request = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="x"),
                               sampling=Sampling(n=n))
     assert [e async for e in engine.generate(request)] == list(events)
@@ -235,7 +246,7 @@ async def test_a_generations_outcome(recorded, events, n, outcome):
 
 async def test_a_generation_the_client_left_is_aborted_and_no_longer_in_flight(recorded):
     engine = InstrumentedEngine(_Scripted(TOKEN, TOKEN, _final("eos")), model="m", engine="k",
-                                metrics=GatewayMetrics(recorded))
+                                metrics=recorded.metrics())
     request = GenerateRequest(request_id="r", model="m", prompt=TextPrompt(text="x"))
     async with aclosing(engine.generate(request)) as events:
         assert await anext(events) == TOKEN
@@ -277,3 +288,30 @@ def test_vllms_figures_are_summed_per_step_and_sent_once_a_second(recorded, monk
     step(generated=2)  # a second later: sent
     assert recorded.count("llm_gateway_vllm_generation_tokens") == 6
     assert recorded.levels["llm_gateway_vllm_kv_cache_usage"] == {(("model", "m"),): 0.25}
+
+
+def test_a_counted_histogram_reads_as_prometheus_clients_own(recorded):
+    """Oracle: prometheus_client's Histogram over the same values and buckets."""
+    import prometheus_client
+
+    bounds = (0.001, 0.01, 0.1, 1.0)
+    values = [0.0005, 0.001, 0.002, 0.01, 0.05, 0.1, 0.7, 1.0, 3.0, 0.0]
+    histogram = CountedHistogram(recorded, "llm_gateway_gaps", "Gaps.", bounds, ("model",),
+                                 recorded.keeper)
+    histogram.observe_all(values[:6], {"model": "a"})
+    histogram.observe_all(values[6:], {"model": "a"})
+    histogram.observe_all([2.0], {"model": "b"})
+    recorded.keeper.refresh()
+    oracle = prometheus_client.Histogram("gaps", "Gaps.", buckets=bounds,
+                                         registry=prometheus_client.CollectorRegistry())
+    for value in values:
+        oracle.observe(value)
+    expected = {sample.labels["le"]: sample.value for sample in oracle.collect()[0].samples
+                if sample.name == "gaps_bucket"}
+    ours = {dict(key)["le"]: value for key, value
+            in recorded.levels["llm_gateway_gaps_bucket"].items() if ("model", "a") in key}
+    assert ours == expected
+    assert recorded.level("llm_gateway_gaps_count", model="a") == len(values)
+    assert recorded.level("llm_gateway_gaps_sum", model="a") == pytest.approx(sum(values))
+    assert recorded.level("llm_gateway_gaps_bucket", model="b", le="+Inf") == 1
+    assert recorded.level("llm_gateway_gaps_bucket", model="b", le="1.0") == 0
