@@ -209,11 +209,13 @@ class RequestTelemetry:
 class _Generation:
     """What one generation did, seen event by event."""
 
-    __slots__ = ("choices", "error", "finals", "first_s", "forced", "gaps", "last_s", "outcome",
-                 "prompt_tokens", "started_s", "tokens", "usage_forced", "usage_tokens")
+    __slots__ = ("choices", "finals", "first_s", "forced", "gaps", "last_s", "outcome",
+                 "prompt_tokens", "record", "started_s", "tokens", "usage_forced",
+                 "usage_tokens")
 
-    def __init__(self, choices: int):
+    def __init__(self, choices: int, record: RequestRecord | None):
         self.choices = choices
+        self.record = record
         self.started_s = self.last_s = time.perf_counter()
         self.first_s: float | None = None
         self.gaps: list[float] = []
@@ -222,7 +224,6 @@ class _Generation:
         self.usage_forced = 0
         self.prompt_tokens = 0
         self.outcome: str | None = None
-        self.error: str | None = None
 
     def see(self, event: Event) -> None:
         if type(event) is TokenEvent:
@@ -237,7 +238,11 @@ class _Generation:
         elif type(event) is FinalEvent:
             self._final(event)
         elif type(event) is ErrorEvent:
-            self.outcome = self.error = event.kind
+            self.outcome = event.kind
+            if self.record is not None:
+                # Named now: the protocol answers with its error status before this stream
+                # ends, and the refusal is counted under this reason at that moment.
+                self.record.error_kind = event.kind
 
     def _final(self, event: FinalEvent) -> None:
         usage = event.usage
@@ -269,7 +274,7 @@ class InstrumentedEngine(EngineWrapper):
         record = _CURRENT.get()
         tags = {"model": self.model, "protocol": record.protocol if record else "gateway",
                 "engine": self.engine}
-        seen = _Generation(request.sampling.n)
+        seen = _Generation(request.sampling.n, record)
         self.metrics.levels.add(self.metrics.in_flight, tags, +1)
         try:
             # aclosing: closing this stream (the client left) closes the engine's now, which
@@ -285,8 +290,6 @@ class InstrumentedEngine(EngineWrapper):
     def _record(self, seen: _Generation, record: RequestRecord | None,
                 tags: dict[str, str]) -> None:
         metrics = self.metrics
-        if seen.error is not None and record is not None:
-            record.error_kind = seen.error
         metrics.requests.inc(1, tags={**tags, "outcome": seen.result()})
         metrics.latency.observe(time.perf_counter() - seen.started_s, tags=tags)
         if seen.prompt_tokens:

@@ -147,6 +147,24 @@ async def test_refusals_are_counted_by_reason_in_each_protocols_name(http, recor
     assert recorded.count("llm_gateway_requests", outcome="validation") == 1
 
 
+class _Failing(FakeEngine):
+    """Refuses every generation with the engine's own error."""
+
+    async def generate(self, request):
+        yield ErrorEvent(kind="engine", message="the engine failed")
+
+
+async def test_an_engine_failure_is_counted_under_the_engines_own_kind(recorded):
+    transport = httpx.ASGITransport(app=_app(recorded, engine=_Failing()))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        response = await client.post("/v1/completions", json={"model": "fake-model",
+                                                               "prompt": "Hi"})
+    assert response.status_code >= 500
+    assert recorded.counts["llm_gateway_refusals"] == {
+        (("protocol", "openai"), ("reason", "engine"), ("status", str(response.status_code))): 1}
+    assert recorded.count("llm_gateway_requests", outcome="engine") == 1
+
+
 async def test_refusals_at_the_door_name_their_reason(recorded):
     transport = httpx.ASGITransport(app=_app(recorded, api_key="k"))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
