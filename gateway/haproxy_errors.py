@@ -35,6 +35,7 @@ import msgspec
 from gateway.haproxy_models import model_rules
 from gateway.proxy import FULL, max_requests_from_env
 from gateway.shapes import DIED, RESTARTING, TIMED_OUT, ErrorShapes
+from gateway.telemetry import CLIENT_ID_PATTERN
 
 __all__ = ["OWN_ERRORS", "OwnError", "main", "owner_rules", "real_binary", "shape_config",
            "write_tables"]
@@ -42,6 +43,7 @@ __all__ = ["OWN_ERRORS", "OwnError", "main", "owner_rules", "real_binary", "shap
 BINARY_VAR = "LLM_GATEWAY_HAPROXY_BINARY"  # the real HAProxy, when not Serve's bundled one
 LAUNCHER = "llm-gateway-haproxy"
 PROTOCOL_VAR = "txn.llm_gateway_protocol"
+REQUEST_ID_VAR = "txn.llm_gateway_request_id"
 # Marks the answers HAProxy wrote, so the response rules below touch no replica's answer.
 OWN_MARK = "x-llm-gateway-own"
 # Where Serve's proxy listens beside HAProxy on every node (Ray's own default, 8500).
@@ -155,6 +157,15 @@ def _bound_rules(backends: dict[str, int], tables: str) -> list[str]:
             for name, replicas in backends.items()]
 
 
+def _request_id_rules() -> list[str]:
+    """Every request gets its id here: the client's when it is plain, else a new one. The
+    replica that serves it reads it as its own (Serve's request id); HAProxy's own answers
+    (no replica, a dead one, at capacity) carry it too (``_response_rules``)."""
+    plain = f"{{ req.hdr(x-request-id) -m reg ^{CLIENT_ID_PATTERN}$ }}"
+    return [f"http-request set-header x-request-id %[uuid] unless {plain}",
+            f"http-request set-var({REQUEST_ID_VAR}) req.hdr(x-request-id)"]
+
+
 def _response_rules(tables: str) -> list[str]:
     """For the public frontend: the owner's media type and the client's status on HAProxy's
     own answers (``http-error`` fixes both per code, not per path), then the mark removed."""
@@ -170,6 +181,8 @@ def _response_rules(tables: str) -> list[str]:
     # (measured: two equal `x-request-id` headers); a client reads one id.
     rules.append("http-after-response set-header x-request-id %[res.hdr(x-request-id,1)] "
                  "if { res.hdr_cnt(x-request-id) gt 1 }")
+    rules.append(f"http-after-response set-header x-request-id %[var({REQUEST_ID_VAR})] "
+                 f"if {{ var({REQUEST_ID_VAR}) -m found }} !{{ res.hdr(x-request-id) -m found }}")
     return rules
 
 
@@ -228,7 +241,8 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
         elif head == ["frontend", "http_frontend"]:
             binds = [i for i, line in enumerate(section) if line.split()[:1] == ["bind"]]
             at = binds[-1] + 1 if binds else 1
-            added = [*owner_rules(prefixes, shapes), *model_rules(prefixes, shapes),
+            added = [*_request_id_rules(), *owner_rules(prefixes, shapes),
+                     *model_rules(prefixes, shapes),
                      *_response_rules(tables)]
             routing = [i for i, line in enumerate(section) if line.split()[:1] == ["use_backend"]]
             cut = routing[0] if routing else len(section)  # the bounds use Serve's path ACLs

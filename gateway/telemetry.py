@@ -39,14 +39,16 @@ from protocols.internal import (
     TokenEvent,
 )
 
-__all__ = ["GatewayMetrics", "InstrumentedEngine", "RequestRecord", "RequestTelemetry",
+__all__ = ["CLIENT_ID_PATTERN", "GatewayMetrics", "InstrumentedEngine", "RequestRecord", "RequestTelemetry",
            "current_record", "gateway_metrics", "refused_for"]
 
 GENERATION_TAGS = ("model", "protocol", "engine")
 # Content types of responses that stream (SSE, JSON lines): TTFT and ITL are measured for these.
 STREAM_TYPES = (b"text/event-stream", b"application/jsonlines", b"application/x-ndjson")
-# A client's id is kept when it is short and plain (it goes into headers and log lines).
-_CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+# A client's id is kept when it is short and plain (it goes into headers and log lines);
+# HAProxy's rules check the same pattern (gateway/haproxy_errors.py).
+CLIENT_ID_PATTERN = r"[A-Za-z0-9._:/+=@-]{1,128}"
+_CLIENT_ID = re.compile(CLIENT_ID_PATTERN)
 # Why a response was refused, by status, when nothing named a reason.
 _REASONS = {400: "validation", 401: "unauthorized", 403: "unauthorized", 404: "not_found",
             405: "method_not_allowed", 413: "too_large", 422: "validation", 429: "overloaded",

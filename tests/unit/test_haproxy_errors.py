@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -176,6 +177,18 @@ def test_no_replica_is_a_503_in_the_paths_shape_with_retry_after(haproxy, path):
     assert (got.status_code, got.headers["content-type"], got.content) == _expected(
         path, 503, RESTARTING)
     assert got.headers["retry-after"] == "1" and OWN_MARK not in got.headers
+
+
+def test_haproxys_own_answers_carry_the_clients_request_id_or_a_new_one(haproxy):
+    def ids(**headers) -> list[str]:
+        got = httpx.post(haproxy + "/gw/v1/completions", json={}, headers=headers, timeout=30)
+        assert got.status_code == 503
+        return got.headers.get_list("x-request-id")
+
+    assert ids(**{"x-request-id": "client-7.a"}) == ["client-7.a"]
+    fresh = [ids(), ids(**{"x-request-id": "not plain, with spaces"})]
+    assert all(len(one) == 1 and uuid.UUID(one[0]).version == 4 for one in fresh), fresh
+    assert fresh[0] != fresh[1]
 
 
 @pytest.mark.parametrize("path", ["/dying/v1/completions", "/dying/generate", "/dying/v1/run"])
