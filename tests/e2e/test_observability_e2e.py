@@ -58,7 +58,9 @@ def metered_url(gateway_url):
         custom={"redact": "engines.controllers.examples:Redact"}))
     config = GatewayConfig(models=[model], ingress_replicas=2, ingress_num_cpus=0.05,
                            max_request_bytes=MAX_REQUEST_BYTES)
-    serve.run(build_app(config), name=METERED_APP, route_prefix=f"/{METERED_APP}")
+    # Logs as one JSON object per line, as docs/observability.md tells operators to ask for.
+    serve.run(build_app(config), name=METERED_APP, route_prefix=f"/{METERED_APP}",
+              logging_config={"encoding": "JSON"})
     url = f"{gateway_url}/{METERED_APP}"
     _wait_healthy(url, "the metered gateway")
     # Kept to the session's end, as the other applications are: deleting it reloads HAProxy,
@@ -238,15 +240,22 @@ def test_request_ids_round_trip_on_every_http_protocol(layout, gateway_url, mete
 
 def test_the_request_id_is_in_the_engine_replicas_log(metered_url):
     """Through an ingress replica to the model's replica over its handle: the engine replica's
-    log lines for the request carry the client's id."""
+    log lines for the request carry the client's id, and so do the ingress replica's, which
+    its application's logging config makes JSON objects."""
     mine = f"client-log-{uuid.uuid4().hex[:8]}"
     response = httpx.post(f"{metered_url}/generate", timeout=120, headers={"x-request-id": mine},
                           json={"inputs": TEXT, "parameters": {"max_new_tokens": 2}})
     assert response.status_code == 200, response.text
     deadline = time.monotonic() + 60
-    while mine not in "".join(replica_logs(MODEL_APP).values()) and time.monotonic() < deadline:
-        time.sleep(1)
+    while time.monotonic() < deadline and not all(
+            mine in "".join(replica_logs(app).values()) for app in (MODEL_APP, METERED_APP)):
+        time.sleep(1)  # Serve's log handlers write in the background
     lines = [line for text in replica_logs(MODEL_APP).values() for line in text.splitlines()
              if mine in line]
     # Serve's line for the engine call (the ingress replica reached it through its handle).
     assert any("generate" in line for line in lines), (mine, lines)
+    # The ingress replicas log JSON (their application's logging config): the request's lines
+    # are objects naming it.
+    ingress = [json.loads(line) for text in replica_logs(METERED_APP).values()
+               for line in text.splitlines() if mine in line]
+    assert ingress and all(entry["request_id"] == mine for entry in ingress), ingress
