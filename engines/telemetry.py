@@ -37,6 +37,7 @@ STEP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.
                   0.5, 1.0)
 
 ENGINE_TAGS = ("model", "engine")
+STAGE_TAGS = ("model", "stage")  # a pipeline's stage: its index and layer range, "1:10-20"
 
 
 class EngineMetrics:
@@ -55,6 +56,20 @@ class EngineMetrics:
             "llm_gateway_pipeline_batch_tokens",
             description="Token positions a pipeline's micro-batches carried through its stages.",
             tag_keys=("model",))
+        self.pipeline_stage = make.Histogram(
+            "llm_gateway_pipeline_stage_seconds",
+            description="One stage's forward over one micro-batch (seconds).",
+            boundaries=list(BATCH_BUCKETS_S), tag_keys=STAGE_TAGS)
+        self.pipeline_stage_kv_bytes = make.Gauge(
+            "llm_gateway_pipeline_stage_kv_bytes",
+            description="Bytes of keys and values a stage's caches hold.", tag_keys=STAGE_TAGS)
+        self.pipeline_stage_kv_tokens = make.Gauge(
+            "llm_gateway_pipeline_stage_kv_tokens",
+            description="Token positions a stage's caches hold, every sequence.",
+            tag_keys=STAGE_TAGS)
+        self.pipeline_stage_sequences = make.Gauge(
+            "llm_gateway_pipeline_stage_sequences",
+            description="Sequences with a cache on a stage.", tag_keys=STAGE_TAGS)
         self.pipeline_restarts = make.Counter(
             "llm_gateway_pipeline_restarts",
             description="Times a pipeline's sequences were re-run after a stage failed.",

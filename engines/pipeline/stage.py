@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engines.telemetry import LEVELS, Levels, engine_metrics
+
 __all__ = ["CacheMismatch", "Hop", "StageCore", "digest", "stage_actor_class"]
 
 
@@ -94,7 +96,11 @@ class StageCore:
     per-sequence caches; a micro-batch runs through them as one forward (``packed``)."""
 
     def __init__(self, model, start: int, end: int, ttl_s: float = 600.0, device: str = "cpu",
-                 host_hops: bool = True):
+                 host_hops: bool = True, metric_tags: dict[str, str] | None = None,
+                 levels: Levels = LEVELS):
+        """``metric_tags`` (model, stage): this stage's series go to Ray's metrics (a stage
+        actor's), its caches' gauges set with ``levels``; without tags nothing is recorded
+        (in-process stages, the origin's layers)."""
         from engines.pipeline.packed import use_packed_attention
 
         use_packed_attention(model)
@@ -109,6 +115,9 @@ class StageCore:
         self.used: dict[str, float] = {}
         self._last_sweep = time.monotonic()
         self._lock = threading.Lock()  # the origin's layers run from a thread pool
+        self.metric_tags = metric_tags
+        if metric_tags is not None:
+            levels.export_with_levels(self._export_cache_levels)
 
     def forward(self, hop: Hop, check: bool = False) -> Hop:
         """Run the layers over ``hop``; the returned hop carries a fresh digest when ``check``.
@@ -120,6 +129,7 @@ class StageCore:
         """
         if check and hop.digest != digest(hop):
             raise CacheMismatch(f"digest mismatch on micro-batch {hop.step}")
+        started = time.perf_counter()
         with self._lock:
             self._maybe_sweep()
             keep, caches, dropped = [], [], dict(hop.dropped)
@@ -140,6 +150,9 @@ class StageCore:
                 for seq_id in batch.seq_ids:
                     self._drop(seq_id)
                 raise
+        if self.metric_tags is not None:
+            engine_metrics().pipeline_stage.observe(time.perf_counter() - started,
+                                                    tags=self.metric_tags)
         result = replace(batch, hidden=out, dropped=dropped)
         return result.sign() if check else result
 
@@ -190,9 +203,23 @@ class StageCore:
     def cache_bytes(self) -> int:
         """Bytes of keys and values held now, every sequence (bounds, benchmarks)."""
         with self._lock:
-            return sum(t.numel() * t.element_size() for cache in self.caches.values()
-                       for layer in cache.layers for t in (layer.keys, layer.values)
-                       if t is not None and hasattr(t, "numel"))
+            return self._cache_bytes()
+
+    def _cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for cache in self.caches.values()
+                   for layer in cache.layers for t in (layer.keys, layer.values)
+                   if t is not None and hasattr(t, "numel"))
+
+    def _export_cache_levels(self) -> None:
+        """What the caches hold, for Ray's gauges (once a second, from the levels' thread)."""
+        with self._lock:
+            held = (self._cache_bytes(), sum(c.get_seq_length() for c in self.caches.values()),
+                    len(self.caches))
+        metrics = engine_metrics()
+        for gauge, value in zip((metrics.pipeline_stage_kv_bytes,
+                                 metrics.pipeline_stage_kv_tokens,
+                                 metrics.pipeline_stage_sequences), held, strict=True):
+            gauge.set(value, tags=self.metric_tags)
 
     def sweep(self, ttl_s: float | None = None) -> int:
         """Drop caches idle longer than the TTL (orphans of a lost origin); how many went."""
@@ -228,7 +255,7 @@ def stage_actor_class():
 
         def __init__(self, model_dir: str, start: int, end: int, dtype: str,
                      attn_implementation: str, threads: int | None, ttl_s: float,
-                     device: str = "cpu"):
+                     device: str = "cpu", metric_tags: dict[str, str] | None = None):
             from engines import placement
 
             # Computes: not moved off an engine's cores, and on every CPU again (a worker forked
@@ -241,7 +268,8 @@ def stage_actor_class():
             if threads:
                 torch.set_num_threads(threads)
             model = load_layers(model_dir, start, end, getattr(torch, dtype), attn_implementation)
-            self.core = StageCore(model.to(device), start, end, ttl_s, device)
+            self.core = StageCore(model.to(device), start, end, ttl_s, device,
+                                  metric_tags=metric_tags)
 
         def forward(self, hop: Hop, check: bool = False) -> Hop:
             return self.core.forward(hop, check)

@@ -133,7 +133,8 @@ class RayStages:
         options["name"] = f"{self.label}:stage{i}:{start}-{end}:{id(self):x}.{self._spawned}"
         return self._cls.options(**options).remote(
             self.model_dir, start, end, self.args.dtype, self.args.attn_implementation,
-            self.args.stage_threads, self.args.cache_ttl_s, self.args.device)
+            self.args.stage_threads, self.args.cache_ttl_s, self.args.device,
+            metric_tags={"model": self.label, "stage": f"{i}:{start}-{end}"})
 
     def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
         ref: Any = hop

@@ -190,7 +190,7 @@ def test_every_dashboard_panel_has_data(metered_url, prometheus, pipeline_url):
     assert AiciClient(f"{metered_url}/v1/").run(controller="llguidance", controller_arg=grammar,
                                                 max_tokens=20)["error"] is None
     queries = _dashboard_queries()
-    assert len(queries) >= 14
+    assert len(queries) >= 16
     deadline = time.monotonic() + 120
     while True:
         empty = [(title, expr) for title, expr in queries if not prometheus.query(expr)]

@@ -333,3 +333,33 @@ def test_a_counted_histogram_reads_as_prometheus_clients_own(recorded):
     assert recorded.level("llm_gateway_gaps_sum", model="a") == pytest.approx(sum(values))
     assert recorded.level("llm_gateway_gaps_bucket", model="b", le="+Inf") == 1
     assert recorded.level("llm_gateway_gaps_bucket", model="b", le="1.0") == 0
+
+
+def test_a_pipeline_stage_records_its_forward_time_and_what_its_caches_hold(recorded, tiny_dir,
+                                                                         monkeypatch):
+    import torch
+
+    from engines.pipeline import stage
+    from engines.pipeline.loading import load_layers
+
+    monkeypatch.setattr(stage, "engine_metrics", lambda: EngineMetrics(recorded))
+    tags = {"model": "m", "stage": "0:1-3"}
+    core = stage.StageCore(load_layers(tiny_dir, 1, 3), 1, 3, metric_tags=tags,
+                           levels=recorded.keeper)
+
+    def hop(seq_id: str, first: int, length: int) -> stage.Hop:
+        return stage.Hop.single(torch.randn(1, length, 64), torch.arange(first, first + length),
+                                seq_id)
+
+    core.forward(hop("a", 0, 7))
+    core.forward(hop("b", 0, 5))
+    core.forward(hop("a", 7, 1))
+    recorded.keeper.refresh()
+    key = tuple(sorted(tags.items()))
+    assert len(recorded.observed["llm_gateway_pipeline_stage_seconds"][key]) == 3
+    assert recorded.levels["llm_gateway_pipeline_stage_kv_tokens"][key] == 8 + 5
+    assert recorded.levels["llm_gateway_pipeline_stage_sequences"][key] == 2
+    assert recorded.levels["llm_gateway_pipeline_stage_kv_bytes"][key] == core.cache_bytes() > 0
+    core.free("a"), core.free("b")
+    recorded.keeper.refresh()
+    assert recorded.levels["llm_gateway_pipeline_stage_kv_bytes"][key] == 0
