@@ -163,7 +163,7 @@ class CountedHistogram:
 
     For what is observed once per generated token. Ray's ``Histogram`` costs about 5 µs an
     observation in the process, and its metrics agent then replays every observation counted
-    (about as much again): together more than the gateway's whole per-token budget allows
+    (one more call each): most of what the metrics added per token, until counted here
     (docs/observability.md). Counting here is a bisect and two additions per value.
     """
 

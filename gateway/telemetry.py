@@ -39,8 +39,8 @@ from protocols.internal import (
     TokenEvent,
 )
 
-__all__ = ["CLIENT_ID_PATTERN", "GatewayMetrics", "InstrumentedEngine", "RequestRecord", "RequestTelemetry",
-           "current_record", "gateway_metrics", "refused_for"]
+__all__ = ["CLIENT_ID_PATTERN", "GatewayMetrics", "InstrumentedEngine", "RequestRecord",
+           "RequestTelemetry", "current_record", "gateway_metrics", "refused_for"]
 
 GENERATION_TAGS = ("model", "protocol", "engine")
 # Content types of responses that stream (SSE, JSON lines): TTFT and ITL are measured for these.
