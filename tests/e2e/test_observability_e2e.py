@@ -182,6 +182,7 @@ def _dashboard_queries() -> list[tuple[str, str]]:
 
 
 def test_every_dashboard_panel_has_data(metered_url, prometheus, pipeline_url):
+    _send_the_mix(metered_url)  # every protocol, refusals, a websocket: this test's own load
     # The engine kinds' own panels: one pipeline generation, one run of a grammar controller.
     response = httpx.post(f"{pipeline_url}/v1/completions", timeout=120, json={
         "model": PIPELINE_MODEL, "prompt": TEXT, "max_tokens": 3})
