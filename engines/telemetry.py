@@ -60,33 +60,34 @@ class EngineMetrics:
             "llm_gateway_pipeline_stage_seconds",
             description="One stage's forward over one micro-batch (seconds).",
             boundaries=list(BATCH_BUCKETS_S), tag_keys=STAGE_TAGS)
-        self.pipeline_stage_kv_bytes = make.Gauge(
-            "llm_gateway_pipeline_stage_kv_bytes",
-            description="Bytes of keys and values a stage's caches hold.", tag_keys=STAGE_TAGS)
-        self.pipeline_stage_kv_tokens = make.Gauge(
-            "llm_gateway_pipeline_stage_kv_tokens",
-            description="Token positions a stage's caches hold, every sequence.",
-            tag_keys=STAGE_TAGS)
-        self.pipeline_stage_sequences = make.Gauge(
-            "llm_gateway_pipeline_stage_sequences",
-            description="Sequences with a cache on a stage.", tag_keys=STAGE_TAGS)
-        self.pipeline_restarts = make.Counter(
-            "llm_gateway_pipeline_restarts",
-            description="Times a pipeline's sequences were re-run after a stage failed.",
-            tag_keys=("model",))
-        def vllm(kind: str, name: str, description: str) -> Any:
-            return getattr(make, kind)(f"llm_gateway_vllm_{name}", description=description,
-                                       tag_keys=("model",))
+        def series(kind: str, name: str, description: str,
+                   tag_keys: tuple[str, ...] = ("model",)) -> Any:
+            return getattr(make, kind)(f"llm_gateway_{name}", description=description,
+                                       tag_keys=tag_keys)
 
+        self.pipeline_stage_kv_bytes = series(
+            "Gauge", "pipeline_stage_kv_bytes", "Bytes of keys and values a stage's caches hold.",
+            STAGE_TAGS)
+        self.pipeline_stage_kv_tokens = series(
+            "Gauge", "pipeline_stage_kv_tokens",
+            "Token positions a stage's caches hold, every sequence.", STAGE_TAGS)
+        self.pipeline_stage_sequences = series(
+            "Gauge", "pipeline_stage_sequences", "Sequences with a cache on a stage.", STAGE_TAGS)
+        self.pipeline_restarts = series(
+            "Counter", "pipeline_restarts",
+            "Times a pipeline's sequences were re-run after a stage failed.")
         # vLLM's own figures, sampled (engines/vllm/stats.py).
-        self.vllm_running = vllm("Gauge", "requests_running", "Requests vLLM runs now.")
-        self.vllm_waiting = vllm("Gauge", "requests_waiting", "Requests waiting in vLLM.")
-        self.vllm_kv_cache_usage = vllm("Gauge", "kv_cache_usage",
-                                        "Fraction of vLLM's KV cache in use (0-1).")
-        self.vllm_prompt_tokens = vllm("Counter", "prompt_tokens", "Prompt tokens vLLM took.")
-        self.vllm_generation_tokens = vllm("Counter", "generation_tokens",
-                                           "Tokens vLLM generated.")
-        self.vllm_finished = vllm("Counter", "requests_finished", "Requests vLLM finished.")
+        self.vllm_running = series("Gauge", "vllm_requests_running", "Requests vLLM runs now.")
+        self.vllm_waiting = series("Gauge", "vllm_requests_waiting",
+                                   "Requests waiting in vLLM.")
+        self.vllm_kv_cache_usage = series("Gauge", "vllm_kv_cache_usage",
+                                          "Fraction of vLLM's KV cache in use (0-1).")
+        self.vllm_prompt_tokens = series("Counter", "vllm_prompt_tokens",
+                                         "Prompt tokens vLLM took.")
+        self.vllm_generation_tokens = series("Counter", "vllm_generation_tokens",
+                                             "Tokens vLLM generated.")
+        self.vllm_finished = series("Counter", "vllm_requests_finished",
+                                    "Requests vLLM finished.")
         self.controller_step = make.Histogram(
             "llm_gateway_controller_step_seconds",
             description="A controller runtime's work for one engine step (seconds).",
@@ -180,8 +181,7 @@ class CountedHistogram:
         # Tag values → (tags, count per bucket, the last one past every bound; sum).
         self._counted: dict[tuple[str, ...], tuple[dict[str, str], list[int], list[float]]] = {}
         self._lock = threading.Lock()
-        self._levels = levels
-        self._exporting = False
+        levels.export_with_levels(self.export)
 
     def observe_all(self, values: list[float], tags: dict[str, str]) -> None:
         """Count ``values`` (e.g. one generation's gaps between tokens) under ``tags``."""
@@ -194,9 +194,6 @@ class CountedHistogram:
             for value in values:
                 counts[bisect.bisect_left(bounds, value)] += 1
             counted[2][0] += sum(values)
-            start, self._exporting = not self._exporting, True
-        if start:
-            self._levels.export_with_levels(self.export)
 
     def export(self) -> None:
         """Hand the counts so far to Ray."""
