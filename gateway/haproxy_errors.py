@@ -2,7 +2,7 @@
 
 Behind Ray Serve's HAProxy ingress (``LLM_GATEWAY_INGRESS=haproxy``) some answers never come
 from the gateway: no ingress replica is up (HAProxy's 503), one died before answering (502),
-HAProxy's own timeouts (504, 408). Serve renders
+HAProxy's own timeouts (504; 408, a request that did not arrive in time). Serve renders
 HAProxy's configuration from a fixed template that answers every one of those with the same
 plain-text ``500 Internal Server Error``, which no protocol client parses.
 
@@ -32,9 +32,9 @@ import sys
 
 import msgspec
 
-from gateway.haproxy_models import model_rules
-from gateway.proxy import FULL, max_requests_from_env
-from gateway.shapes import DIED, RESTARTING, TIMED_OUT, ErrorShapes
+from gateway.haproxy_models import BODY_WAIT_VAR, DEFAULT_BODY_WAIT_S, model_rules
+from gateway.proxy import FULL, max_requests_from_env, positive_int_from_env
+from gateway.shapes import DIED, NOT_RECEIVED, RESTARTING, TIMED_OUT, ErrorShapes
 from gateway.telemetry import CLIENT_ID_PATTERN
 
 __all__ = ["OWN_ERRORS", "OwnError", "main", "owner_rules", "real_binary", "shape_config",
@@ -61,7 +61,7 @@ class OwnError(msgspec.Struct, frozen=True):
 
 AT_CAPACITY = "at-capacity"  # the map of the bound below, not an HAProxy error code
 OWN_ERRORS: tuple[OwnError, ...] = (
-    OwnError(408, 408, TIMED_OUT),
+    OwnError(408, 408, NOT_RECEIVED),  # the client's request (headers, body) did not arrive
     OwnError(500, 500, "The gateway failed to answer this request."),
     OwnError(502, 503, DIED, retry_after=True),
     OwnError(503, 503, RESTARTING, retry_after=True),
@@ -242,7 +242,8 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
             binds = [i for i, line in enumerate(section) if line.split()[:1] == ["bind"]]
             at = binds[-1] + 1 if binds else 1
             added = [*_request_id_rules(), *owner_rules(prefixes, shapes),
-                     *model_rules(prefixes, shapes),
+                     *model_rules(prefixes, shapes,
+                                  positive_int_from_env(BODY_WAIT_VAR, DEFAULT_BODY_WAIT_S)),
                      *_response_rules(tables)]
             routing = [i for i, line in enumerate(section) if line.split()[:1] == ["use_backend"]]
             cut = routing[0] if routing else len(section)  # the bounds use Serve's path ACLs

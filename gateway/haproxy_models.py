@@ -9,6 +9,8 @@ put the prefix in front of the path, so that Serve's own routing rules pick the 
 Requests named otherwise, or not at all, keep their path (the gateway application). The body is
 read only as far as HAProxy's buffer (``tune.bufsize``) holds it: a ``model`` past that is not
 seen, and the request takes the gateway application's route (served the same, one hop slower).
+A body that has neither filled the buffer nor ended ``LLM_GATEWAY_HAPROXY_BODY_WAIT_S`` (60)
+seconds after its headers is answered 408 in the protocol's shape.
 docs/cluster.md, "The default layout".
 """
 
@@ -19,13 +21,17 @@ import re
 from gateway.model_routes import MODEL_ROUTE, model_of_route
 from gateway.shapes import ErrorShapes
 
-__all__ = ["MODEL_VAR", "model_rules"]
+__all__ = ["BODY_WAIT_VAR", "DEFAULT_BODY_WAIT_S", "MODEL_VAR", "model_rules"]
 
 MODEL_VAR = "txn.llm_gateway_model"
 # Names written into HAProxy's configuration as they are: no spaces, quotes, '#', '%' or '\'.
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9._:@+/-]+$")
-# How long HAProxy waits for a request body to name its model (then: the gateway's route).
-_BODY_WAIT = "2s"
+# How long (seconds) HAProxy waits for a request's body to read its model. When the wait runs out
+# HAProxy answers 408 (its rule, not a fallback to the gateway's route), so it only bounds a
+# client that stalls: a loaded client takes seconds between headers and body (CI's burst of 900
+# on two cores got 408s at 2 s). nginx allows a body 60 s between reads (client_body_timeout).
+BODY_WAIT_VAR = "LLM_GATEWAY_HAPROXY_BODY_WAIT_S"
+DEFAULT_BODY_WAIT_S = 60
 
 
 def _served(route_prefixes: list[str]) -> list[str]:
@@ -33,7 +39,8 @@ def _served(route_prefixes: list[str]) -> list[str]:
     return sorted(n for n in names if _PLAIN_NAME.match(n))
 
 
-def model_rules(route_prefixes: list[str], shapes: ErrorShapes) -> list[str]:
+def model_rules(route_prefixes: list[str], shapes: ErrorShapes,
+                body_wait_s: int = DEFAULT_BODY_WAIT_S) -> list[str]:
     """``http-request`` rules for the public frontend (none when no prefix is a model's)."""
     names = _served(route_prefixes)
     if not names:
@@ -43,7 +50,7 @@ def model_rules(route_prefixes: list[str], shapes: ErrorShapes) -> list[str]:
     rules = []
     if body_paths:
         named = f"METH_POST {{ path {' '.join(body_paths)} }}"
-        rules += [f"http-request wait-for-body time {_BODY_WAIT} if {named}",
+        rules += [f"http-request wait-for-body time {body_wait_s}s if {named}",
                   f"http-request set-var({MODEL_VAR}) req.body,json_query('$.model') if {named}"]
     by_depth: dict[int, list[str]] = {}
     for spec in shapes.owners:

@@ -35,7 +35,7 @@ from gateway.limits import CAPACITY_HEADER
 from gateway.shapes import DIED, RESTARTING, TIMED_OUT, ErrorShapes
 
 __all__ = ["FULL", "MAX_REQUESTS_VAR", "ProxyErrorShape", "ProxyGate", "max_requests_from_env",
-           "middlewares"]
+           "middlewares", "positive_int_from_env"]
 
 log = logging.getLogger("llm_gateway.proxy")
 
@@ -82,14 +82,19 @@ def _is_probe(path: str, prefix: str) -> bool:
     return path[len(prefix.rstrip("/")):] in _PROBES
 
 
-def max_requests_from_env() -> int:
-    raw = os.environ.get(MAX_REQUESTS_VAR) or ""
+def positive_int_from_env(name: str, default: int) -> int:
+    """The environment variable ``name`` when a positive integer, else ``default``: a bad value
+    must not keep Serve's proxy or HAProxy from starting (it is logged)."""
+    raw = os.environ.get(name) or ""
     if raw.isdigit() and int(raw) > 0:
         return int(raw)
-    if raw:  # a bad value must not keep the proxy from starting
-        log.warning("%s=%r is not a positive integer: using %d", MAX_REQUESTS_VAR, raw,
-                    DEFAULT_MAX_REQUESTS)
-    return DEFAULT_MAX_REQUESTS
+    if raw:
+        log.warning("%s=%r is not a positive integer: using %d", name, raw, default)
+    return default
+
+
+def max_requests_from_env() -> int:
+    return positive_int_from_env(MAX_REQUESTS_VAR, DEFAULT_MAX_REQUESTS)
 
 
 def _proxy_own(scope) -> bool:

@@ -8,13 +8,14 @@ from fastapi.responses import JSONResponse, Response
 from protocols.catalog import PROTOCOLS, load_spec
 from protocols.spec import ProtocolSpec
 
-__all__ = ["DIED", "RESTARTING", "TIMED_OUT", "ErrorShapes"]
+__all__ = ["DIED", "NOT_RECEIVED", "RESTARTING", "TIMED_OUT", "ErrorShapes"]
 
 # The gateway's own messages, whichever part answers (Serve's proxy, HAProxy): fixed texts,
 # no request ids or deployment names.
 DIED = "The gateway replica serving this request stopped; retry."
 RESTARTING = "The gateway is starting or restarting; retry shortly."
 TIMED_OUT = "The request timed out in the gateway."
+NOT_RECEIVED = "The gateway did not receive the whole request in time; send it again."
 
 
 class ErrorShapes:

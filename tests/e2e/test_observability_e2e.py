@@ -63,9 +63,9 @@ def metered_url(gateway_url):
               logging_config={"encoding": "JSON"})
     url = f"{gateway_url}/{METERED_APP}"
     _wait_healthy(url, "the metered gateway")
-    # Kept to the session's end, as the other applications are: deleting it reloads HAProxy,
-    # and a request of the next module on a kept-alive connection to the old HAProxy got a
-    # 408 (CI saw it).
+    # Kept to the session's end, as the other applications are: deleting it reloads HAProxy.
+    # (A next module's request got a 408 in CI then; the same 408s came later without a
+    # reload: HAProxy's 2 s wait for a body, since made 60 s, gateway/haproxy_models.py.)
     return url
 
 

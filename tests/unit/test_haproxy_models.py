@@ -5,6 +5,7 @@ stand-in replica answers with which application it is and the path it was asked 
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import socket
@@ -14,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from gateway.haproxy_models import model_rules
-from gateway.shapes import ErrorShapes
+from gateway.haproxy_models import BODY_WAIT_VAR, model_rules
+from gateway.shapes import NOT_RECEIVED, ErrorShapes
 from tests.unit.test_haproxy_errors import _ServesProxy, start_haproxy
 
 
@@ -45,20 +46,27 @@ class _Echo(http.server.ThreadingHTTPServer):
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
-@pytest.fixture(scope="module")
-def haproxy(tmp_path_factory):
+@contextlib.contextmanager
+def _haproxy_before_echoes(directory: str):
     replicas = {prefix: _Echo(name) for prefix, name in
                 [("/", "gateway"), ("/model/alpha", "alpha"), ("/model/org/beta", "org/beta")]}
     fallback = _ServesProxy()
-    proc, url = start_haproxy(str(tmp_path_factory.mktemp("haproxy")),
-                              {p: r.server_port for p, r in replicas.items()},
+    proc, url = start_haproxy(directory, {p: r.server_port for p, r in replicas.items()},
                               fallback.server_port)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-    for replica in replicas.values():
-        replica.shutdown()
-    fallback.shutdown()
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for replica in replicas.values():
+            replica.shutdown()
+        fallback.shutdown()
+
+
+@pytest.fixture(scope="module")
+def haproxy(tmp_path_factory):
+    with _haproxy_before_echoes(str(tmp_path_factory.mktemp("haproxy"))) as url:
+        yield url
 
 
 def _where(response: httpx.Response) -> tuple[str, str]:
@@ -109,19 +117,50 @@ def test_the_model_application_is_also_a_base_url_of_its_own(haproxy):
     assert _where(response) == ("alpha", "/model/alpha/v1/completions")
 
 
-def test_a_body_sent_after_its_headers_still_names_the_model(haproxy):
-    """HAProxy waits for the body (a client that sends headers first, then the body)."""
+def test_a_body_sent_seconds_after_its_headers_still_names_the_model(haproxy):
+    """HAProxy waits for the body (a client that sends headers first, then the body). A loaded
+    client can take seconds between the two: CI's burst of 900 completions on two cores did, and
+    HAProxy's wait, then 2 s, answered most of them 408 (its answer when the wait runs out)."""
     body = json.dumps({"model": "alpha", "prompt": "Hi"}).encode()
     host, port = haproxy.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
-        time.sleep(0.3)
+        time.sleep(3)
         conn.sendall(body)
         answer = b""
         while b"}" not in answer:
             answer += conn.recv(65536)
     assert b'"app": "alpha"' in answer, answer
+
+
+def _answer_to_headers_alone(url: str, seconds: float) -> bytes:
+    """What HAProxy answers a POST whose body never comes (``seconds`` at most)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=seconds) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 40\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"}"):
+            answer += conn.recv(65536)
+    return answer
+
+
+def test_a_body_that_stalls_past_the_wait_is_a_408_in_the_protocols_shape(tmp_path,
+                                                                           monkeypatch):
+    """The wait is a bound on a stalled client (HAProxy's answer when it runs out is a 408):
+    the body of that 408 is the protocol's, with the gateway's message."""
+    monkeypatch.setenv(BODY_WAIT_VAR, "1")
+    with _haproxy_before_echoes(str(tmp_path)) as url:
+        started = time.monotonic()
+        answer = _answer_to_headers_alone(url, 30)
+        waited = time.monotonic() - started
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer
+    assert b"content-type: application/json" in head.lower(), answer
+    assert json.loads(body) == {"error": {"message": NOT_RECEIVED, "type": "Request Timeout",
+                                          "param": None, "code": 408}}
+    assert waited >= 1, waited
 
 
 def test_a_model_named_past_haproxys_buffer_takes_the_gateways_route(haproxy):
