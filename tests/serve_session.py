@@ -32,6 +32,11 @@ METRICS_REPORT_MS = 2000
 # the metered 0.1, the faults 0.25) and stand idle most of the time. On a 2-core box Ray would
 # offer 2, and Serve waits forever for a replica it cannot place.
 SESSION_CPUS = 4
+# With HAProxy on the port, Serve keeps a stopping ingress replica serving for at least 30 s
+# (time for an outside load balancer to stop sending it requests), and the next step waits:
+# each module that deletes its applications, and the session's end, took 30-60 s more. The
+# session's HAProxy is Serve's own, reloaded within a second.
+DRAIN_VAR, DRAIN_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2"
 
 
 
@@ -59,11 +64,17 @@ def gateway_url():
     # Serve's proxy inherits Ray's environment: errors it writes itself come in shape.
     serve_env.apply()
     port = free_port()
-    ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
-             # Metrics reach the agents in 2 s instead of 10 (the observability tests wait on
-             # them); one small export per process every 2 s.
-             _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
+    # Ray's processes take their environment from this one when it starts them; only this
+    # instance's (not the clusters other tests start later) drain for DRAIN_S.
+    os.environ[DRAIN_VAR] = DRAIN_S
+    try:
+        ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
+                 # Metrics reach the agents in 2 s instead of 10 (the observability tests wait
+                 # on them); one small export per process every 2 s.
+                 _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
+    finally:
+        del os.environ[DRAIN_VAR]
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # serve_config.yaml's layout: the model its own application (its replicas serve it over
