@@ -78,7 +78,7 @@ async def _pipeline_run(origin, prompts, steps: int) -> float:
     """Seconds from every sequence's first token to its last (prefill excluded), all together."""
     import torch
 
-    from engines.pipeline.origin import Job, Sequence
+    from engines.pipeline.jobs import Job, Sequence
 
     firsts, lasts = [], []
 

@@ -121,8 +121,8 @@ class Levels:
 
     def _start(self) -> None:
         if self._thread is None and self.refresh_s is not None:
-            self._thread = threading.Thread(target=self._refresh, daemon=True,
-                                            name="metrics-levels")
+            self._thread = threading.Thread(target=self._refresh, args=(self.refresh_s,),
+                                            daemon=True, name="metrics-levels")
             self._thread.start()
 
     def set(self, gauge: Any, tags: dict[str, str], value: float) -> None:
@@ -140,9 +140,9 @@ class Levels:
             self._start()
         gauge.set(value, tags=tags)
 
-    def _refresh(self) -> None:
+    def _refresh(self, every_s: float) -> None:
         while True:
-            time.sleep(self.refresh_s or 1.0)
+            time.sleep(every_s)
             self.refresh()
 
     def refresh(self) -> None:

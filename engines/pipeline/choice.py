@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engines.base import Admitted
-from engines.pipeline.origin import Sequence
+from engines.pipeline.jobs import Sequence
 from engines.pipeline.sampling import Sampler
 from engines.pipeline.text import OutputText
 from protocols.internal import (

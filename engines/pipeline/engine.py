@@ -26,7 +26,8 @@ from engines.pipeline.budget import BudgetFull, KVBudget, NeverFits, tokens_for
 from engines.pipeline.choice import Choice
 from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, plan_stages
 from engines.pipeline.controlled import SegmentRow, StepHook, note_finish, segment_request
-from engines.pipeline.origin import Job, Origin, PipelineFailure
+from engines.pipeline.jobs import Job, PipelineFailure
+from engines.pipeline.origin import Origin
 from engines.pipeline.stages import RayStages, Stages
 from engines.tokens import prompt_char_limit, render_prompt
 from protocols.internal import (

@@ -19,15 +19,16 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from engines.pipeline.jobs import Job, PipelineFailure, StageTimeout
 from engines.pipeline.loading import OriginParts
 from engines.pipeline.stage import CacheMismatch, Hop, StageCore, digest
 from engines.pipeline.stages import Resolved, Stages
 from engines.telemetry import engine_metrics
 
-__all__ = ["Job", "Origin", "PipelineFailure", "Sequence", "StageTimeout", "StepFn"]
+__all__ = ["Origin"]
 
 log = logging.getLogger(__name__)
 
@@ -37,49 +38,6 @@ OUTBOX = 8
 # about what one sequence does, so halving it halves the work per step (4 sequences on 2 stages:
 # 38.9 tok/s as one micro-batch, 32.4 as two; docs/benchmarks.md, "Pipeline batching").
 _MIN_SHARE = 8
-
-
-class StageTimeout(RuntimeError):
-    """A micro-batch did not come back from the stages in time (a hung stage): restart path."""
-
-
-class PipelineFailure(RuntimeError):
-    """A sequence lost its stages more often than ``max_restarts`` allows."""
-
-
-@dataclass
-class Sequence:
-    """One sequence as the origin tracks it: every token (prompt and output) and how many of
-    them were sent into the pipe (the stages' guards check what they hold)."""
-
-    seq_id: str
-    tokens: list[int]
-    sent: int = 0
-    restarts: int = 0
-
-
-# On the origin thread: the last position's logits ``[vocab]`` (float32) and, on a job's first
-# step when it asked for ``every``, the hidden states of every prompt position (chunks
-# ``[1, n, H]``, in order) → what to deliver, and whether the sequence is done. It appends the
-# next token to ``seq.tokens`` when it goes on.
-StepFn = Callable[[Any, list[Any] | None], tuple[Any, bool]]
-
-
-@dataclass(eq=False)
-class Job:
-    """One sequence as the scheduler drives it (see :data:`StepFn`)."""
-
-    seq: Sequence
-    step: StepFn
-    every: bool = False
-    outbox: deque = field(default_factory=deque)  # (payload, done) results, or an exception
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    prompt_hidden: list[Any] = field(default_factory=list)
-    epoch: int = 0  # restarts: results of micro-batches sent before one are void
-    stepped: bool = False
-    parked: bool = False  # its outbox is full: not waiting until the reader takes one
-    closed: bool = False
-    control: Any = None  # a controlled sequence's row, for the origin's ``before_steps``
 
 
 @dataclass

@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from engines.pipeline.jobs import Job, Sequence
 from engines.pipeline.loading import load_layers, load_origin
-from engines.pipeline.origin import Job, Origin, Sequence
+from engines.pipeline.origin import Origin
 from engines.pipeline.stage import StageCore
 from engines.pipeline.stages import LocalStages
 from tests.pipeline_models import build_tiny
@@ -187,7 +188,7 @@ async def test_a_slow_reader_holds_back_only_its_own_sequence(tiny):
 async def test_an_error_inside_a_stage_restarts_that_micro_batch_and_the_scheduler_goes_on(tiny):
     """Any error from a stage (an out-of-memory, a bug), not only a lost cache: that
     micro-batch's sequences restart; past max_restarts they fail, and the next job runs."""
-    from engines.pipeline.origin import PipelineFailure
+    from engines.pipeline.jobs import PipelineFailure
     from engines.pipeline.stages import Resolved
 
     kind, path = tiny

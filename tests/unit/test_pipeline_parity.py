@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines.pipeline.jobs import Job, Sequence
 from engines.pipeline.loading import load_layers, load_origin
-from engines.pipeline.origin import Job, Origin, Sequence
+from engines.pipeline.origin import Origin
 from engines.pipeline.stage import Hop, StageCore
 from engines.pipeline.stages import LocalStages, Resolved
 from tests.pipeline_models import build_tiny
@@ -170,7 +171,7 @@ async def test_digests_are_checked_on_every_hop(tmp_path):
     plain, _ = await _greedy(_origin(path, RANGES["llama"], "sdpa"), _prompt(100), 3)
     assert (await _greedy(origin, _prompt(100), 3))[0] == plain
 
-    from engines.pipeline.origin import PipelineFailure
+    from engines.pipeline.jobs import PipelineFailure
 
     cores = origin.stages.cores
     for hop_index in range(len(cores) + 1):  # origin → stage 0, stage i → i+1, last → origin
