@@ -26,7 +26,6 @@ from typing import Any
 
 import msgspec
 import ray
-from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import (
     BackPressureError,
@@ -37,6 +36,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engines.callers import current_caller
 from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
+from gateway.serve_status import SERVE_STATUS
 from protocols.internal import (
     EngineStats,
     EngineUnavailable,
@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 # The replica is gone or not (yet) there: the model is unavailable, not the request wrong.
 _REPLICA_GONE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError, ChannelLost)
 _MONITOR_INTERVAL_S = 2.0
+
 
 
 class ServeEngineClient:
@@ -138,8 +139,9 @@ class ServeEngineClient:
     async def _watch(self) -> None:
         # Serve's controller, not the replica, is asked: a health call to the replica would
         # queue behind its ongoing requests under load and read as a failure.
+        every = self.monitor_interval_s
         while True:
-            await asyncio.sleep(self.monitor_interval_s)
+            await asyncio.sleep(every - time.monotonic() % every)  # the shared ticks
             # Streams that delivered meanwhile say as much as Serve would, and a replica that
             # dies under them ends them itself; asking anyway cost the ingress about 5 % of its
             # CPU under load (serve.status() builds every application's status).
@@ -166,7 +168,8 @@ class ServeEngineClient:
     def _running_replicas(self) -> int:
         if not ray.is_initialized():  # serve.status() would start a local Ray instance
             raise RuntimeError("Ray is not initialized here")
-        status = serve.status().applications[self._handle.app_name]
+        status = SERVE_STATUS.read(self.monitor_interval_s / 2).applications[
+            self._handle.app_name]
         deployment = status.deployments[self._handle.deployment_name]
         return deployment.replica_states.get("RUNNING", 0)  # a str enum
 

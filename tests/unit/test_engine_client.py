@@ -420,3 +420,49 @@ async def _monitor_asks_only_while_idle(handle, asked, monitored) -> None:
     # Bounded by time only as a hang guard: on a loaded CI box a tick took 1 s, not 0.3.
     await asyncio.wait_for(asked_twice_more(), 10)
     client._monitor.cancel()
+
+
+async def test_every_models_monitor_shares_one_serve_status_per_tick(monkeypatch):
+    """One ``serve.status()`` (every application's status, from the controller) per tick for
+    all of an ingress's models, not one per model."""
+    from types import SimpleNamespace
+
+    from gateway import engine_client, serve_status
+
+    reads = []
+
+    def status():  # what Serve's controller answers: both models' deployments running
+        reads.append(time.monotonic())
+        deployments = {name: SimpleNamespace(replica_states={"RUNNING": 1})
+                       for name in ("engine-m", "engine-n")}
+        return SimpleNamespace(applications={"default": SimpleNamespace(deployments=deployments)})
+
+    monkeypatch.setattr(serve_status.serve, "status", status)
+    monkeypatch.setattr(engine_client, "SERVE_STATUS", serve_status.ServeStatus())
+    monkeypatch.setattr(engine_client.ray, "is_initialized", lambda: True)
+    asked: dict[str, int] = {"engine-m": 0, "engine-n": 0}
+
+    class _Counted(ServeEngineClient):
+        def _running_replicas(self) -> int:
+            asked[self._handle.deployment_name] += 1
+            return super()._running_replicas()
+
+    handles = [_Handle(), _Handle()]
+    handles[1].deployment_name = "engine-n"
+    clients = [_Counted(h, "m", monitor_interval_s=0.5) for h in handles]
+    for client in clients:
+        assert await client.available()  # starts its monitor
+
+    async def three_ticks_each() -> None:
+        while min(asked.values()) < 3:
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.wait_for(three_ticks_each(), 30)  # a hang guard only
+    finally:
+        for client in clients:
+            client._monitor.cancel()
+    assert all(client._running == 1 for client in clients)
+    # Both asked each tick; Serve was read about once a tick (a tick that one monitor's loop
+    # reached over a quarter second late, on a loaded box, reads again).
+    assert len(reads) <= sum(asked.values()) / 2 + 1, (len(reads), asked)

@@ -1,0 +1,40 @@
+"""Serve's status, read once per monitor tick for every model's engine client in a process
+(``gateway.engine_client``: the monitor that notices a dead replica while no stream runs)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+from ray import serve
+
+__all__ = ["SERVE_STATUS", "ServeStatus"]
+
+
+class ServeStatus:
+    """``serve.status()`` once per monitor tick for every model's client in this process.
+
+    Each call asks the controller for every application's status, so one call per model per
+    tick would cost the controller (models x ingress replicas) calls of (applications) each.
+    Monitors tick on the same instants (multiples of their interval on the monotonic clock) and
+    share a reading younger than half an interval. Blocking: called on the monitors' threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._status: Any = None
+        self.reads = 0  # calls made (tests)
+
+    def read(self, fresh_s: float) -> Any:
+        with self._lock:  # a second monitor waits for the reading under way and shares it
+            if time.monotonic() - self._read_at >= fresh_s:
+                self._status = serve.status()
+                self._read_at = time.monotonic()
+                self.reads += 1
+            return self._status
+
+
+SERVE_STATUS = ServeStatus()  # the process's one
