@@ -20,13 +20,12 @@ import msgspec
 
 from protocols.contract import ModelDirectory
 from protocols.controllers import grammar_controller
-from protocols.internal import ControllerSpec, ToolDefinition
+from protocols.internal import ControllerSpec, ToolCall, ToolDefinition
 from protocols.tool_markup import TOOL_CALL_OPEN, TOOL_CALL_TAIL, tool_call_head
 
 __all__ = ["MAX_TOOLS", "ArgumentsPiece", "CallStart", "ReadCall", "TextPiece", "ToolCallReader",
-           "ToolChoice", "grammar_refusal", "new_call_id", "tool_definition", "tool_definitions",
-           "tools_controller",
-           "whole_text"]
+           "ToolChoice", "grammar_refusal", "history_call", "new_call_id", "tool_definition",
+           "tool_definitions", "tools_controller", "whole_text"]
 
 MAX_TOOLS = 128  # OpenAI's own bound on one request's tools
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -74,6 +73,22 @@ def tool_definitions(raw: Sequence[Any], fields: Callable[[Any, str], tuple[Any,
     if len({t.name for t in out}) != len(out):
         raise ValueError("tools must have distinct names")
     return out
+
+
+def history_call(call_id: str, name: str, arguments: str, names: frozenset[str] | None,
+                 where: str, arguments_at: str) -> ToolCall:
+    """A call the model made earlier, as a client sends it back in the conversation: named
+    among ``names`` (the request's tools; None: not checked) and with ``arguments`` the JSON
+    text of an object. ``ValueError`` naming ``where`` (the call) or ``arguments_at``."""
+    if names is not None and name not in names:
+        raise ValueError(f"{where} calls {name!r}, which is not among the tools")
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{arguments_at} is not the JSON text of an object")
+    return ToolCall(id=call_id, name=name, arguments=arguments)
 
 
 def tools_controller(tools: tuple[ToolDefinition, ...], choice: ToolChoice,

@@ -5,7 +5,6 @@ Every refusal is an :class:`OpenAIError` (400) naming the offending parameter.
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 import msgspec
@@ -33,7 +32,7 @@ from protocols.openai.schemas import (
     ToolIn,
     _Sampling,
 )
-from protocols.tools import ToolChoice, tool_definitions, tools_controller
+from protocols.tools import ToolChoice, history_call, tool_definitions, tools_controller
 
 __all__ = [
     "COMPLETION_DEFAULT_MAX_TOKENS",
@@ -255,15 +254,11 @@ def _text_content(content: str | list[dict] | None) -> str:
 
 def _history_call(where: str, call: ToolCallIn, tool_names: frozenset[str] | None) -> ToolCall:
     _check(call.type == "function", f"{where}.type must be 'function'", "messages")
-    _check(tool_names is None or call.function.name in tool_names,
-           f"{where} calls {call.function.name!r}, which is not among the tools", "messages")
     try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        raise OpenAIError(400, f"{where}.function.arguments is not JSON", "messages") from None
-    _check(isinstance(arguments, dict), f"{where}.function.arguments is not a JSON object",
-           "messages")
-    return ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)
+        return history_call(call.id, call.function.name, call.function.arguments, tool_names,
+                            where, f"{where}.function.arguments")
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), "messages") from None
 
 
 def chat_tools(body: ChatCompletionRequest) -> tuple[tuple[ToolDefinition, ...], ToolChoice]:

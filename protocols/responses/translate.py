@@ -8,7 +8,6 @@ stored, so ``previous_response_id`` is refused.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from protocols.controllers import json_schema_controller
@@ -24,7 +23,7 @@ from protocols.internal import (
 )
 from protocols.openai.errors import OpenAIError
 from protocols.responses.schemas import ResponsesRequest
-from protocols.tools import ToolChoice, tool_definitions, tools_controller
+from protocols.tools import ToolChoice, history_call, tool_definitions, tools_controller
 
 __all__ = ["responses_request"]
 
@@ -86,14 +85,10 @@ def _call(item: dict, where: str, names: frozenset[str] | None) -> ToolCall:
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
     _check(all(isinstance(v, str) for v in (call_id, name, arguments)),
            f"{where}: a function_call has string call_id, name and arguments", "input")
-    _check(names is None or name in names, f"{where} calls {name!r}, which is not among the "
-           "tools", "input")
     try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        parsed = None
-    _check(isinstance(parsed, dict), f"{where}.arguments is not a JSON object", "input")
-    return ToolCall(id=call_id, name=name, arguments=arguments)
+        return history_call(call_id, name, arguments, names, where, f"{where}.arguments")
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), "input") from None
 
 
 def _tools(body: ResponsesRequest) -> tuple[tuple[ToolDefinition, ...], ToolChoice]:

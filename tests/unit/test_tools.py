@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 
 from engines.controllers.base import ControllerContext, Variables
 from engines.controllers.builtin import GuidanceController
-from protocols.internal import ToolDefinition
+from protocols.internal import ToolCall, ToolDefinition
 from protocols.tools import (
     ArgumentsPiece,
     CallStart,
     TextPiece,
     ToolCallReader,
     ToolChoice,
+    history_call,
     tool_definition,
     tools_controller,
 )
@@ -249,3 +250,15 @@ def test_tool_definitions_keep_their_schema_as_json_text():
     assert isinstance(WEATHER, ToolDefinition)
     assert json.loads(WEATHER.parameters)["required"] == ["city", "unit"]
     assert json.loads(TIME.parameters) == {"type": "object", "properties": {}}
+
+
+def test_a_call_sent_back_in_the_history_is_checked_as_the_model_would_have_made_it():
+    names = frozenset({"get_weather"})
+    assert history_call("c1", "get_weather", '{"city": "Paris"}', names, "m[1]", "m[1].a") == (
+        ToolCall(id="c1", name="get_weather", arguments='{"city": "Paris"}'))
+    assert history_call("c1", "other", "{}", None, "m[1]", "m[1].a").name == "other"  # unchecked
+    with pytest.raises(ValueError, match=r"m\[1\] calls 'other', which is not among the tools"):
+        history_call("c1", "other", "{}", names, "m[1]", "m[1].a")
+    for arguments in ("{", "[1]", '"text"'):
+        with pytest.raises(ValueError, match=r"m\[1\]\.a is not the JSON text of an object"):
+            history_call("c1", "get_weather", arguments, names, "m[1]", "m[1].a")
