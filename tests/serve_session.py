@@ -32,6 +32,11 @@ METRICS_REPORT_MS = 2000
 # the metered 0.1, the faults 0.25) and stand idle most of the time. On a 2-core box Ray would
 # offer 2, and Serve waits forever for a replica it cannot place.
 SESSION_CPUS = 4
+# The session's vLLM engines run eager: vLLM's torch.compile warm-up took ~60 s of every engine
+# start on the 2-core box (three starts a run: this model, the colocated one, the one behind
+# Serve's proxy), and what the tests check does not depend on it. bench/ runs the compiled
+# default.
+VLLM_TEST_ARGS = {"enforce_eager": True}
 # With HAProxy on the port, Serve keeps a stopping ingress replica serving for at least 30 s
 # (time for an outside load balancer to stop sending it requests), and the next step waits:
 # each module that deletes its applications, and the session's end, took 30-60 s more. The
@@ -81,7 +86,7 @@ def gateway_url():
         # HTTP, HAProxy sends requests naming it there), the gateway application for the rest.
         # The operator's example controller, as serve_config.yaml registers it.
         controllers = Controllers(custom={"redact": "engines.controllers.examples:Redact"})
-        model = ModelConfig(name=MODEL, controllers=controllers)
+        model = ModelConfig(name=MODEL, controllers=controllers, engine_args=VLLM_TEST_ARGS)
         settings = {"aliases": {"ensemble": MODEL}, "max_request_bytes": MAX_REQUEST_BYTES}
         serve.run(build_model_app({"model": msgspec.to_builtins(model), "gateway": settings}),
                   name=MODEL_APP, route_prefix=model_route(MODEL))
@@ -133,7 +138,7 @@ def colocated_url(gateway_url):
     from gateway.app import build_app
 
     config = GatewayConfig(models=[ModelConfig(name=COLOCATED_MODEL, colocated=True,
-                                               num_cpus=0.1)],
+                                               num_cpus=0.1, engine_args=VLLM_TEST_ARGS)],
                            ingress_num_cpus=0.1, max_request_bytes=MAX_REQUEST_BYTES)
     serve.run(build_app(config), name=COLOCATED_APP, route_prefix=f"/{COLOCATED_APP}")
     url = f"{gateway_url}/{COLOCATED_APP}"

@@ -16,6 +16,7 @@ import httpx
 from gateway.serve_env import free_port
 from tests.e2e.aborts import drop_stream, engine_stats, wait_for_abort
 from tests.e2e.cluster_models import _wait
+from tests.serve_session import VLLM_TEST_ARGS
 
 PROMPT = "The capital of France is"
 TOKENS = 12
@@ -132,7 +133,8 @@ def main() -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = GatewayConfig(models=[ModelConfig(name=model, num_cpus=0.5)],
+        config = GatewayConfig(models=[ModelConfig(name=model, num_cpus=0.5,
+                                                   engine_args=VLLM_TEST_ARGS)],
                                ingress_num_cpus=0.1)
         serve.run(build_app(config), name="gateway", route_prefix="/")
         _wait(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
