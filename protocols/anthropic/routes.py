@@ -40,7 +40,8 @@ async def messages(request: Request) -> Response:
     meta_id = f"msg_{uuid.uuid4().hex[:24]}"
     internal, tools = messages_request(body, name, meta_id)
     if internal.controller is not None and (refusal := await grammar_refusal(models, name)):
-        raise AnthropicError(400, f"tools: {refusal}")
+        raise AnthropicError(400, f"{'tools' if tools.mode != 'none' else 'output_config'}: "
+                                  f"{refusal}")
     headers = {"request-id": meta_id}
     if not body.stream:
         peeked = await _started(engine, internal)

@@ -39,6 +39,7 @@ class MessagesRequest(_Conversation, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its ``format``: structured outputs
 
 
 class CountTokensRequest(_Conversation, kw_only=True):

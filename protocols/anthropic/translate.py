@@ -14,9 +14,11 @@ import msgspec
 
 from protocols.anthropic.errors import AnthropicError
 from protocols.anthropic.schemas import MessagesRequest, ToolIn, _Conversation
+from protocols.controllers import json_schema_controller
 from protocols.internal import (
     ChatMessage,
     ChatPrompt,
+    ControllerSpec,
     GenerateRequest,
     OutputOptions,
     Sampling,
@@ -164,15 +166,33 @@ def messages_request(body: MessagesRequest, model: str,
     _check(0 < top_p <= 1, "top_p: must be in (0, 1]")
     _check(body.top_k is None or body.top_k >= 0, "top_k: must be >= 0")
     stops = tuple(s for s in body.stop_sequences or () if s)
-    try:
-        controller = tools_controller(prompt.tools, choice, parallel)
-    except ValueError as exc:
-        raise AnthropicError(400, f"tool_choice: {exc}" if choice.mode == "function"
-                             else f"tools: {exc}") from None
     request = GenerateRequest(
         request_id=request_id, model=model, prompt=prompt,
         sampling=Sampling(temperature=temperature, top_p=top_p, top_k=body.top_k or 0,
                           max_tokens=body.max_tokens, stop=stops),
         output=OutputOptions(splices="append" if body.stream else "retract"),
-        controller=controller)
+        controller=_controller(body, prompt.tools, choice, parallel))
     return request, choice
+
+
+def _controller(body: MessagesRequest, tools: tuple[ToolDefinition, ...], choice: ToolChoice,
+                parallel: bool) -> ControllerSpec | None:
+    """The grammar of the tools offered, or of ``output_config.format``'s JSON schema
+    (structured outputs: the answer is one text block of JSON that matches it)."""
+    output_format = (body.output_config or {}).get("format")
+    if output_format is None:
+        try:
+            return tools_controller(tools, choice, parallel)
+        except ValueError as exc:
+            raise AnthropicError(400, f"tool_choice: {exc}" if choice.mode == "function"
+                                 else f"tools: {exc}") from None
+    _check(isinstance(output_format, dict) and output_format.get("type") == "json_schema",
+           "output_config.format: type must be 'json_schema'")
+    _check(choice.mode == "none", "output_config.format: this gateway does not combine a "
+           "JSON output format with tools; send one or the other")
+    _check(isinstance(output_format.get("schema"), dict),
+           "output_config.format: a json_schema format needs a schema object")
+    try:
+        return json_schema_controller(output_format["schema"])
+    except ValueError as exc:
+        raise AnthropicError(400, f"output_config.format.schema: {exc}") from None

@@ -67,6 +67,19 @@ def test_a_tool_round_trip_with_the_sdk(client):
     assert second.stop_reason in ("end_turn", "max_tokens")
 
 
+def test_structured_output_is_json_that_follows_the_schema(client):
+    """``output_config.format`` (Anthropic's structured outputs): the answer's text block is
+    JSON that the schema accepts, whole and streamed alike."""
+    kwargs = dict(model=MODEL, max_tokens=60, extra_body=GREEDY, messages=ASK,
+                  output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
+    message = client.messages.create(**kwargs)
+    [block] = message.content
+    assert block.type == "text" and message.stop_reason == "end_turn", message
+    jsonschema.validate(json.loads(block.text), SCHEMA)
+    with client.messages.stream(**kwargs) as stream:
+        assert stream.get_final_message().content[0].text == block.text
+
+
 def test_a_streamed_tool_call_accumulates_to_the_whole_one(client):
     kwargs = dict(model=MODEL, max_tokens=120, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
                   tool_choice={"type": "tool", "name": "get_weather",

@@ -137,6 +137,29 @@ async def test_count_tokens():
     assert not engine.requests
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_structured_output_constrains_the_answer_to_the_json_schema(stream):
+    """``output_config.format`` (Anthropic's structured outputs): the engine runs the schema's
+    grammar, and the answer is one text block of that JSON."""
+    client, engine = _sdk('{"city": "Paris"}')
+    kwargs = dict(model="fake-model", max_tokens=50, messages=ASK,
+                  output_config={"format": {"type": "json_schema", "schema": CITY},
+                                 "effort": "low"})
+    if stream:
+        async with client.messages.stream(**kwargs) as s:
+            out = await s.get_final_message()
+    else:
+        out = await client.messages.create(**kwargs)
+    [block] = out.content
+    assert block.type == "text" and block.text == '{"city": "Paris"}'
+    controller = engine.requests[-1].controller
+    assert controller.module == "llguidance" and '"city"' in controller.arg
+
+
 BAD = [
     ({"max_tokens": None}, 400, "max_tokens"),
     ({"model": "nope"}, 404, "model"),
@@ -153,6 +176,10 @@ BAD = [
     ({"messages": []}, 400, "messages"),
     ({"temperature": 1.5}, 400, "temperature"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
+    ({"output_config": {"format": {"type": "json_object"}}}, 400, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, 400, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": CITY}}, "tools": [WEATHER]},
+     400, "output_config.format"),
 ]
 
 
