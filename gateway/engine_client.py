@@ -58,7 +58,6 @@ _REPLICA_GONE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableEr
 _MONITOR_INTERVAL_S = 2.0
 
 
-
 class ServeEngineClient:
     """:class:`protocols.internal.EngineClient` backed by an ``EngineDeployment`` handle."""
 

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 import httpx
 import msgspec
@@ -71,15 +72,12 @@ def gateway_url():
     port = free_port()
     # Ray's processes take their environment from this one when it starts them; only this
     # instance's (not the clusters other tests start later) drain for DRAIN_S.
-    os.environ[DRAIN_VAR] = DRAIN_S
-    try:
+    with mock.patch.dict(os.environ, {DRAIN_VAR: DRAIN_S}):
         ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
                  # Metrics reach the agents in 2 s instead of 10 (the observability tests wait
                  # on them); one small export per process every 2 s.
                  _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
-    finally:
-        del os.environ[DRAIN_VAR]
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # serve_config.yaml's layout: the model its own application (its replicas serve it over
