@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from math import nan
 from pathlib import Path
 
@@ -240,12 +241,20 @@ VARIANTS = {
     # Ray Serve's own bundle of the above (plus direct ingress, buffered request logs).
     "gateway-tput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
+def _eager(start: Callable[..., subprocess.Popen]) -> Callable[..., subprocess.Popen]:
+    """``start`` with vLLM eager (``enforce_eager``: no torch.compile warm-up at start)."""
+    return lambda model, model_dir, overrides: start(model, model_dir,
+                                                     {**overrides, "enforce_eager": True})
+
+
 _SERVE_PROXY = functools.partial(_serve_gateway, ingress="serve")
 _HAPROXY = functools.partial(_serve_gateway, ingress="haproxy")
 STARTERS = {"bare": _serve_bare, "serve-llm": _serve_llm,
             # The README's default: each model its own application, HAProxy on the port
             # sending requests that name it there.
             "gateway": _serve_model_apps,
+            # The default layout with vLLM eager: no compile at start, is a step slower?
+            "gateway-eager": _eager(_serve_model_apps),
             # The same from another checkout (BENCH_BEFORE_TREE): a change's before and after.
             "gateway-before": _serve_before,
             # Two models, each its own application (serve_config.cluster.yaml's layout).
@@ -321,9 +330,11 @@ def measure(args) -> list[dict]:
         for rnd in range(args.rounds):
             order = args.targets[rnd % len(args.targets):] + args.targets[:rnd % len(args.targets)]
             for target in order:
+                started = time.monotonic()
                 proc = STARTERS[target](model, model_dir, overrides)
                 try:
                     _wait_ready(f"http://127.0.0.1:{PORTS[target]}", model, proc)
+                    ready_s = round(time.monotonic() - started, 1)  # start to serving
                     # What the server burns with no request at all (Ray's background, pollers):
                     # part of every per-token figure below, largest at c=1.
                     time.sleep(args.idle_s / 2)
@@ -341,13 +352,15 @@ def measure(args) -> list[dict]:
                         cpu["cpu_s_by_process"] = cputime.spent_by_role(
                             before, after, cputime.labels(proc.pid))
                         row = {"model": model, "target": target, "round": rnd,
+                               "ready_s": ready_s,
                                "concurrency": conc, "prompts": prompts, "client": args.client,
                                **cpu, **idle,
                                **{k: v for k, v in result.items()
                                   if isinstance(v, (int, float))}}
                         rows.append(row)
                         print(json.dumps({k: row[k] for k in (
-                            "model", "target", "round", "concurrency", "output_throughput",
+                            "model", "target", "round", "ready_s", "concurrency",
+                            "output_throughput",
                             "median_ttft_ms", "median_tpot_ms", "other_cpu_s", "engine_cpu_s",
                             "total_output_tokens", "cpu_s_by_process")}), flush=True)
                 finally:
