@@ -241,6 +241,8 @@ VARIANTS = {
     # Ray Serve's own bundle of the above (plus direct ingress, buffered request logs).
     "gateway-tput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
 }
+
+
 def _eager(start: Callable[..., subprocess.Popen]) -> Callable[..., subprocess.Popen]:
     """``start`` with vLLM eager (``enforce_eager``: no torch.compile warm-up at start)."""
     return lambda model, model_dir, overrides: start(model, model_dir,
@@ -253,7 +255,8 @@ STARTERS = {"bare": _serve_bare, "serve-llm": _serve_llm,
             # The README's default: each model its own application, HAProxy on the port
             # sending requests that name it there.
             "gateway": _serve_model_apps,
-            # The default layout with vLLM eager: no compile at start, is a step slower?
+            # The default layout with vLLM eager: no compile at start, slower steps
+            # (docs/benchmarks.md, "vLLM eager vs compiled").
             "gateway-eager": _eager(_serve_model_apps),
             # The same from another checkout (BENCH_BEFORE_TREE): a change's before and after.
             "gateway-before": _serve_before,

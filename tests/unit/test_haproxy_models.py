@@ -117,33 +117,31 @@ def test_the_model_application_is_also_a_base_url_of_its_own(haproxy):
     assert _where(response) == ("alpha", "/model/alpha/v1/completions")
 
 
+def _headers_then_body(url: str, length: int, body: bytes | None, pause_s: float,
+                       timeout_s: float) -> bytes:
+    """HAProxy's answer to a completion whose headers (``Content-Length: length``) come
+    ``pause_s`` before its body (``None``: the body never comes), read until its JSON ends or
+    the connection closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % length)
+        if body is not None:
+            time.sleep(pause_s)
+            conn.sendall(body)
+        answer = b""
+        while not answer.endswith(b"}") and (chunk := conn.recv(65536)):
+            answer += chunk
+    return answer
+
+
 def test_a_body_sent_seconds_after_its_headers_still_names_the_model(haproxy):
     """HAProxy waits for the body (a client that sends headers first, then the body). A loaded
     client can take seconds between the two: CI's burst of 900 completions on two cores did, and
     HAProxy's wait, then 2 s, answered most of them 408 (its answer when the wait runs out)."""
     body = json.dumps({"model": "alpha", "prompt": "Hi"}).encode()
-    host, port = haproxy.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
-        time.sleep(3)
-        conn.sendall(body)
-        answer = b""
-        while b"}" not in answer:
-            answer += conn.recv(65536)
+    answer = _headers_then_body(haproxy, len(body), body, pause_s=3, timeout_s=10)
     assert b'"app": "alpha"' in answer, answer
-
-
-def _answer_to_headers_alone(url: str, seconds: float) -> bytes:
-    """What HAProxy answers a POST whose body never comes (``seconds`` at most)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=seconds) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: 40\r\n\r\n")
-        answer = b""
-        while not answer.endswith(b"}"):
-            answer += conn.recv(65536)
-    return answer
 
 
 def test_a_body_that_stalls_past_the_wait_is_a_408_in_the_protocols_shape(tmp_path,
@@ -153,7 +151,7 @@ def test_a_body_that_stalls_past_the_wait_is_a_408_in_the_protocols_shape(tmp_pa
     monkeypatch.setenv(BODY_WAIT_VAR, "1")
     with _haproxy_before_echoes(str(tmp_path)) as url:
         started = time.monotonic()
-        answer = _answer_to_headers_alone(url, 30)
+        answer = _headers_then_body(url, 40, None, pause_s=0, timeout_s=30)
         waited = time.monotonic() - started
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 "), answer
