@@ -167,6 +167,9 @@ class PromptToken(_Frozen, kw_only=True):
     text: str
     logprob: float | None = None  # None for the first position (no context)
     top_logprobs: tuple[TopLogprob, ...] = ()
+    # This token's rank among the model's candidates at its position (1 = the most likely);
+    # None where ``logprob`` is, or where an engine does not rank.
+    rank: int | None = None
 
 
 class PromptEvent(_Frozen, tag="prompt", kw_only=True):

@@ -88,7 +88,8 @@ class FakeModel:
                 yield PromptEvent(
                     text="".join(chr(t) for t in ids),
                     tokens=tuple(PromptToken(token_id=t, text=chr(t),
-                                             logprob=None if i == 0 else -float(i))
+                                             logprob=None if i == 0 else -float(i),
+                                             rank=None if i == 0 else i)
                                  for i, t in enumerate(ids)),
                 )
             script = {}

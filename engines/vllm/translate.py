@@ -71,6 +71,7 @@ class Translator:
                     else self.tokenizer.decode([token_id]),
                     logprob=chosen.logprob if chosen else None,
                     top_logprobs=_top(entry, self.request.output.prompt_logprobs),
+                    rank=chosen.rank if chosen else None,
                 )
             )
         text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)

@@ -34,8 +34,10 @@ __all__ = [
     "completion_chunks",
     "completion_response",
     "openai_finish_reason",
+    "prompt_scores",
     "sse",
     "with_echo",
+    "with_prompt_scores",
 ]
 
 UsageMode = Literal["none", "final", "continuous"]
@@ -91,6 +93,44 @@ async def with_echo(events: AsyncIterator[Event]) -> AsyncIterator[Event | Echoe
                 echoed.add(event.index)
                 yield EchoedPrompt(event.index, len(prompt.text), _prompt_logprobs(prompt))
                 event = msgspec.structs.replace(event, text=prompt.text + event.text)
+        yield event
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """vLLM's ``prompt_logprobs`` field for choices ``indices`` (every choice of one prompt)."""
+
+    indices: range
+    entries: list[dict | None]
+
+
+def _finite(logprob: float) -> float:
+    return -9999.0 if logprob == float("-inf") else logprob  # JSON has no -inf (as vLLM)
+
+
+def prompt_scores(prompt: PromptEvent, k: int) -> list[dict | None]:
+    """Per prompt position, vLLM's shape: ``None`` first (no context), then the prompt token
+    and the ``k`` most likely, keyed by token id, each with its logprob, rank and text."""
+    entries: list[dict | None] = []
+    for token in prompt.tokens:
+        if token.logprob is None:
+            entries.append(None)
+            continue
+        entry = {str(token.token_id): {"logprob": _finite(token.logprob), "rank": token.rank,
+                                       "decoded_token": token.text}}
+        for rank, top in enumerate(token.top_logprobs[:k], start=1):  # in the top k: that rank
+            entry[str(top.token_id)] = {"logprob": _finite(top.logprob), "rank": rank,
+                                        "decoded_token": top.text}
+        entries.append(entry)
+    return entries
+
+
+async def with_prompt_scores(events: AsyncIterator[Event], indices: range,
+                             k: int) -> AsyncIterator[Event | PromptScores]:
+    """Before the prompt event of one prompt's stream, its scores for its choices."""
+    async for event in events:
+        if isinstance(event, PromptEvent):
+            yield PromptScores(indices, prompt_scores(event, k))
         yield event
 
 
@@ -263,16 +303,20 @@ class _Choice:
 class Collected:
     choices: dict[int, _Choice]
     usage: dict
+    prompt_scores: dict[int, list[dict | None]] = field(default_factory=dict)  # by choice
 
 
 async def collect(events: AsyncIterator[Event], n: int, prompts: int = 1) -> Collected:
     """Fold a whole event stream for a non-streaming response; an error raises OpenAIError.
     Backtracks are applied; forks become extra choices."""
     choices: dict[int, _Choice] = {}
+    scores: dict[int, list[dict | None]] = {}
     counter = _UsageCounter(n, prompts)
     async for event in fold_splices(events):
         if isinstance(event, ErrorEvent):
             raise from_event(event)
+        if isinstance(event, PromptScores):
+            scores.update(dict.fromkeys(event.indices, event.entries))
         if isinstance(event, EchoedPrompt):
             choices.setdefault(event.index, _Choice()).echoed = event
         elif isinstance(event, TokenEvent):
@@ -285,7 +329,8 @@ async def collect(events: AsyncIterator[Event], n: int, prompts: int = 1) -> Col
             choice = choices.setdefault(event.index, _Choice())
             choice.text.append(event.text)
             choice.final = event
-    return Collected(choices=dict(sorted(choices.items())), usage=counter.as_dict())
+    return Collected(choices=dict(sorted(choices.items())), usage=counter.as_dict(),
+                     prompt_scores=scores)
 
 
 def _finish(choice: _Choice) -> tuple[str | None, str | int | None]:
@@ -312,6 +357,8 @@ def completion_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool
                 offset += len(token.text)
         out.append({"index": index, "text": "".join(choice.text), "logprobs": lp,
                     "finish_reason": finish, "stop_reason": stop_reason})
+        if collected.prompt_scores:  # asked for (vLLM's field, one list per choice)
+            out[-1]["prompt_logprobs"] = collected.prompt_scores.get(index)
     return {"id": meta.id, "object": "text_completion", "created": meta.created,
             "model": meta.model, "choices": out, "usage": collected.usage}
 
@@ -329,5 +376,8 @@ def chat_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool,
             "finish_reason": tool_finish_reason(finish, called, tools),
             "stop_reason": stop_reason,
         })
-    return {"id": meta.id, "object": "chat.completion", "created": meta.created,
-            "model": meta.model, "choices": out, "usage": collected.usage}
+    response = {"id": meta.id, "object": "chat.completion", "created": meta.created,
+                "model": meta.model, "choices": out, "usage": collected.usage}
+    if collected.prompt_scores:  # asked for (vLLM's field: the one prompt's, beside choices)
+        response["prompt_logprobs"] = collected.prompt_scores.get(0)
+    return response

@@ -27,6 +27,7 @@ from protocols.openai.encode import (
     completion_response,
     sse,
     with_echo,
+    with_prompt_scores,
 )
 from protocols.openai.errors import OpenAIError, from_event
 from protocols.openai.schemas import (
@@ -87,10 +88,11 @@ def _usage_mode(options: StreamOptions | None):
 
 
 async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bool,
-                 stream: bool) -> AsyncIterator:
+                 stream: bool, scores: int | None = None) -> AsyncIterator:
     """Start every sub-request, peek each, and merge them into one event stream. With echo, a
     whole response's splices are folded before the prompt is echoed (``collect`` folds the
-    rest), so a fork copies the echo once and a backtrack cannot withdraw it."""
+    rest), so a fork copies the echo once and a backtrack cannot withdraw it. ``scores``: each
+    prompt's logprobs in vLLM's ``prompt_logprobs`` shape, top ``scores`` per position."""
     peeked: list[Peeked] = list(await asyncio.gather(*(peek(engine.generate(r)) for r in requests)))
     for p in peeked:
         if p.error is not None:
@@ -100,6 +102,8 @@ async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bo
     streams = []
     for i, p in enumerate(peeked):
         events = reindexed(fold_splices(aiter(p)) if echo and not stream else aiter(p), i * n)
+        if scores is not None:
+            events = with_prompt_scores(events, range(i * n, (i + 1) * n), scores)
         streams.append(with_echo(events) if echo else events)  # its choices' final indices
     return merge(streams)
 
@@ -121,7 +125,8 @@ async def completions(raw: bytes | dict | CompletionRequest, models: ModelDirect
                           "prompt")
     meta = ChunkMeta(id=request_id, created=int(time.time()), model=name, n=body.n,
                      prompts=len(requests))
-    events = await _start(engine, requests, body.echo, body.stream)
+    events = await _start(engine, requests, body.echo, body.stream,
+                          None if body.stream else body.prompt_logprobs)
     logprobs = body.logprobs is not None
     if body.stream:
         return sse(completion_chunks(events, meta, logprobs=logprobs,
@@ -144,7 +149,8 @@ async def chat_completions(raw: bytes | dict | ChatCompletionRequest, models: Mo
     request, tools = chat_request(body, name, meta.id)
     if tools.mode != "none" and (refusal := await grammar_refusal(models, name)):
         raise OpenAIError(400, refusal, "tools")
-    events = await _start(engine, [request], echo=False, stream=body.stream)
+    events = await _start(engine, [request], echo=False, stream=body.stream,
+                          scores=None if body.stream else body.prompt_logprobs)
     if body.stream:
         return sse(chat_chunks(events, meta, choices=body.n, logprobs=body.logprobs,
                                usage=_usage_mode(body.stream_options), tools=tools))

@@ -163,8 +163,11 @@ def _output(body: _Sampling, logprobs: int | None, echo: bool = False,
     _check(logprobs is None or logprobs >= 0, "logprobs must be >= 0", "logprobs")
     _check(body.prompt_logprobs is None or body.prompt_logprobs >= 0,
            "prompt_logprobs must be >= 0", "prompt_logprobs")
+    # A whole response's field (as in vLLM): a stream has no place for it.
+    _check(not body.stream or not body.prompt_logprobs,
+           "prompt_logprobs are not available when stream is true", "prompt_logprobs")
     # Echo with logprobs lists the prompt's tokens with theirs (OpenAI's legacy completions).
-    prompt_logprobs = body.prompt_logprobs
+    prompt_logprobs = None if body.stream else body.prompt_logprobs
     if echo and logprobs is not None:
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     return OutputOptions(

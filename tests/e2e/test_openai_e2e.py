@@ -286,3 +286,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_a_loglikelihood_harness_reads_i
         assert got == pytest.approx(want, abs=logprob_tolerance)
     for i in range(prompt_tokens - 6, prompt_tokens):  # greedy: each tops its position (or ties)
         assert max(lp.top_logprobs[i].values()) - lp.token_logprobs[i] <= logprob_tolerance
+
+
+def test_prompt_logprobs_in_vllms_shape_score_what_vllm_generated(
+        openai_client, engine_handle, logprob_tolerance):
+    """vLLM's ``prompt_logprobs`` (extra body), read through the SDK: scoring prompt + vLLM's
+    own greedy continuation gives, at the continuation's positions, the logprobs vLLM gave
+    those tokens while generating them, each ranked first (or tied with the first)."""
+    native = _native(engine_handle, PROMPT, 6)
+    scored = openai_client.completions.create(
+        model=MODEL, prompt=native.prompt_token_ids + native.token_ids, max_tokens=1,
+        temperature=0, extra_body={"prompt_logprobs": 2})
+    entries = scored.choices[0].model_extra["prompt_logprobs"]
+    ids = native.prompt_token_ids + native.token_ids
+    assert len(entries) == len(ids) and entries[0] is None
+    start = len(native.prompt_token_ids)
+    for i, token_id in enumerate(ids[1:], start=1):
+        entry = {int(key): value for key, value in entries[i].items()}
+        own = entry[token_id]
+        tops = sorted((v["rank"], v["logprob"]) for k, v in entry.items() if v["rank"] <= 2)
+        assert [rank for rank, _ in tops] == [1, 2] and tops[0][1] >= tops[1][1]
+        assert own["rank"] >= 1 and own["decoded_token"]
+        if i >= start:  # vLLM's own greedy pick: its logprob, at the top up to a tie
+            assert own["logprob"] == pytest.approx(native.logprobs[i - start],
+                                                   abs=logprob_tolerance)
+            assert tops[0][1] - own["logprob"] <= logprob_tolerance

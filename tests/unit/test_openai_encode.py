@@ -2,13 +2,22 @@
 
 import json
 
-from protocols.internal import ErrorEvent, FinalEvent, PromptEvent, TokenEvent, TopLogprob, Usage
+from protocols.internal import (
+    ErrorEvent,
+    FinalEvent,
+    PromptEvent,
+    PromptToken,
+    TokenEvent,
+    TopLogprob,
+    Usage,
+)
 from protocols.openai.encode import (
     ChunkMeta,
     chat_chunks,
     collect,
     completion_chunks,
     completion_response,
+    prompt_scores,
     sse,
     with_echo,
 )
@@ -115,3 +124,21 @@ async def test_collect_folds_n_choices_and_counts_prompt_once_per_prompt():
     body = completion_response(collected, meta, logprobs=False)
     assert [c["text"] for c in body["choices"]] == ["ab", "c"]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_prompt_scores_list_the_prompt_token_then_the_top_k_as_vllm_does():
+    top = (TopLogprob(token_id=7, text="a", logprob=-0.5), TopLogprob(token_id=9, text="y",
+                                                                       logprob=-1.5),
+           TopLogprob(token_id=3, text="c", logprob=-2.0))
+    prompt = PromptEvent(text="xyz", tokens=(
+        PromptToken(token_id=1, text="x"),
+        PromptToken(token_id=9, text="y", logprob=-1.5, rank=2, top_logprobs=top),
+        PromptToken(token_id=4, text="z", logprob=float("-inf"), rank=500, top_logprobs=top)))
+    first, within, outside = prompt_scores(prompt, 2)
+    assert first is None
+    # The prompt token first; one of the top k keeps the rank it has there (as vLLM's dict).
+    assert within == {"9": {"logprob": -1.5, "rank": 2, "decoded_token": "y"},
+                      "7": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}
+    assert list(outside) == ["4", "7", "9"]  # k=2 of the three alternatives the engine sent
+    assert outside["4"] == {"logprob": -9999.0, "rank": 500, "decoded_token": "z"}  # JSON: no -inf
+    json.dumps([first, within, outside], allow_nan=False)

@@ -102,6 +102,46 @@ async def test_completion_echo_and_logprobs(client):
     assert [t for part in lists for t in part["text_offset"]] == lp["text_offset"]
 
 
+async def test_completion_prompt_logprobs_in_vllms_shape(client, engine):
+    r = await client.post("/v1/completions", json={
+        "prompt": [[72, 105], [72, 105, 33]], "max_tokens": 2, "n": 2, "prompt_logprobs": 0})
+    choices = r.json()["choices"]
+    assert engine.requests[-1].output.prompt_logprobs == 0
+    # Per choice, vLLM's field: None for the first position, then the prompt token by id with
+    # its logprob, rank and text (the fake engine scores position i at -i, rank i).
+    first = [None, {"105": {"logprob": -1.0, "rank": 1, "decoded_token": "i"}}]
+    second = [*first, {"33": {"logprob": -2.0, "rank": 2, "decoded_token": "!"}}]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["prompt_logprobs"] for c in choices] == [first, first, second, second]
+    assert choices[0]["logprobs"] is None and choices[0]["text"] == "He"
+    plain = (await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    assert engine.requests[-1].output.prompt_logprobs is None
+
+
+async def test_chat_prompt_logprobs_beside_the_choices(client):
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+    body = r.json()
+    scores = body["prompt_logprobs"]
+    assert scores[0] is None and len(scores) > 2
+    assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] == i
+               for i, entry in enumerate(scores[1:], start=1))
+    assert "prompt_logprobs" not in body["choices"][0]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_prompt_logprobs_in_a_stream_are_refused_as_vllm_does(client, engine, path):
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "Hi"}]}
+    r = await client.post(path, json={**body, "stream": True, "prompt_logprobs": 2})
+    _assert_error(r, 400, "prompt_logprobs")
+    r = await client.post(path, json={**body, "stream": True, "prompt_logprobs": 0,
+                                      "max_tokens": 1})
+    assert r.status_code == 200  # accepted, nothing to send (vLLM's behaviour)
+    assert engine.requests[-1].output.prompt_logprobs is None
+
+
 async def test_chat_non_stream_and_list_content(client, engine):
     r = await client.post("/v1/chat/completions", json={
         "model": "fake-model", "max_completion_tokens": 4,
