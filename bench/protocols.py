@@ -38,16 +38,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import cputime  # noqa: E402
-from bench.compare import (  # noqa: E402
-    CLIENT_PRIORITIES,
+from bench.load import CLIENT_PRIORITIES, realtime_client  # noqa: E402
+from bench.servers import (  # noqa: E402
     PORTS,
     RESULTS,
     STARTERS,
-    _bin,
-    _machine,
-    _stop,
-    _wait_ready,
-    realtime_client,
+    machine,
+    stop,
+    venv_bin,
+    wait_ready,
 )
 from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
 from engines.embedded import prepare_embedded_model  # noqa: E402
@@ -291,7 +290,7 @@ def summarize(rows: list[dict], args) -> str:
         f"tokens, concurrency {args.concurrency}, {args.rounds} rounds, path order rotated "
         f"each round (means); clients at {args.client} priority.",
         "",
-        f"Machine: {_machine()}.",
+        f"Machine: {machine()}.",
         "",
         "| path | output tok/s | median TTFT (ms) | vs OpenAI | gateway CPU s / 1k tok "
         "outside engine | client CPU s / 1k tok |",
@@ -335,15 +334,15 @@ def main() -> None:
         url = f"http://127.0.0.1:{PORTS[target]}"
     try:
         if proc is not None:
-            _wait_ready(url, MODEL, proc)
+            wait_ready(url, MODEL, proc)
         args.client = realtime_client(args.client)  # after the start: the gateway stays normal
         rows = asyncio.run(measure(url, args, proc.pid if proc is not None else None))
     finally:
         if proc is not None:
             import subprocess
 
-            _stop(proc)
-            subprocess.run([_bin("ray"), "stop", "--force"], capture_output=True)
+            stop(proc)
+            subprocess.run([venv_bin("ray"), "stop", "--force"], capture_output=True)
     summary = summarize(rows, args)
     (RESULTS / "protocols.md").write_text(summary + "\n")
     # One row per (round, path), for notebooks/protocol_paths.ipynb.

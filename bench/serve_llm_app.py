@@ -18,7 +18,7 @@ from engines.vllm.args import engine_args as gateway_engine_args
 def build(args: dict):
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    # Exactly the engine args the gateway's replica and compare.py's bare server get.
+    # Exactly the engine args the gateway's replica and the benches' bare server get.
     engine_kwargs = gateway_engine_args(args.get("engine_args") or {})
     config = LLMConfig(
         model_loading_config={"model_id": args["model_id"], "model_source": args["model_dir"]},

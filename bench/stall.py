@@ -24,7 +24,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import compare
+from bench import load, servers
 
 # The serving processes: Ray's workers and daemons, vLLM's, HAProxy, bare vLLM's API server.
 _SERVING_PREFIXES = ("ray::", "VLLM::")
@@ -102,15 +102,15 @@ def _per_process(rows: list[dict]) -> list[dict]:
 def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurrency: int,
                    top: int, client: str = "normal", sort: str = "wait_ms") -> dict:
     name, model_dir, overrides = model
-    port = compare.PORTS[target]
-    proc = compare.STARTERS[target](name, model_dir, overrides)
+    port = servers.PORTS[target]
+    proc = servers.STARTERS[target](name, model_dir, overrides)
     try:
-        compare._wait_ready(f"http://127.0.0.1:{port}", name, proc)
+        servers.wait_ready(f"http://127.0.0.1:{port}", name, proc)
         pids = _serving_pids(proc.pid)
         before, start = _schedstat(pids), time.monotonic()
         out = []
         for i in range(runs):
-            r = compare._bench(port, name, model_dir, concurrency, max(64, 2 * concurrency),
+            r = load.run_load(port, name, model_dir, concurrency, max(64, 2 * concurrency),
                                "openai", client)
             row = {"target": target, "run": i, "t_s": round(time.monotonic() - start, 1),
                    "tok_s": round(r["output_throughput"]),
@@ -128,9 +128,9 @@ def measure_target(target: str, model: tuple[str, str, dict], runs: int, concurr
         return {"runs": out, "wall_s": wall, "processes": _per_process(threads),
                 "threads": sorted(threads, key=lambda r: r[sort], reverse=True)[:top]}
     finally:
-        compare._stop(proc)
+        servers.stop(proc)
         if target != "bare":
-            subprocess.run([compare._bin("ray"), "stop", "--force"], capture_output=True)
+            subprocess.run([servers.venv_bin("ray"), "stop", "--force"], capture_output=True)
 
 
 def main() -> None:
@@ -141,27 +141,27 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--hog", action="store_true")
-    parser.add_argument("--client-priority", dest="client", choices=compare.CLIENT_PRIORITIES,
+    parser.add_argument("--client-priority", dest="client", choices=load.CLIENT_PRIORITIES,
                         default="realtime", help="scheduling of the load generator")
     parser.add_argument("--top", type=int, default=25, help="threads listed per server")
     parser.add_argument("--sort", choices=["wait", "run"], default="wait",
                         help="list the threads that waited longest, or those that ran longest")
     args = parser.parse_args()
-    unknown = set(args.targets) - set(compare.STARTERS)
+    unknown = set(args.targets) - set(servers.STARTERS)
     if unknown:
-        raise SystemExit(f"unknown targets {sorted(unknown)}: {sorted(compare.STARTERS)}")
-    (model,) = compare._models([args.model])
-    client = compare.client_priority(args.client)
-    hog = compare._hog() if args.hog else None
+        raise SystemExit(f"unknown targets {sorted(unknown)}: {sorted(servers.STARTERS)}")
+    (model,) = servers.models([args.model])
+    client = load.client_priority(args.client)
+    hog = servers.start_hog() if args.hog else None
     try:
         results = {t: measure_target(t, model, args.runs, args.concurrency, args.top, client,
                                      f"{args.sort}_ms")
                    for t in args.targets}
     finally:
         if hog:
-            compare._stop(hog)
-    compare.RESULTS.mkdir(exist_ok=True)
-    (compare.RESULTS / "stall.json").write_text(json.dumps(results, indent=1))
+            servers.stop(hog)
+    servers.RESULTS.mkdir(exist_ok=True)
+    (servers.RESULTS / "stall.json").write_text(json.dumps(results, indent=1))
     for target, res in results.items():
         print(f"\n{target}: {res['wall_s']} s; process: on-CPU ms, run-queue wait ms")
         for p in res["processes"]:

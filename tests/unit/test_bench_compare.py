@@ -30,9 +30,9 @@ def test_ratios_and_cpu_per_thousand_tokens():
 
 
 def test_the_protocol_bench_imports_and_starts_only_layouts_compare_knows():
-    # bench/protocols.py reuses compare.py's starters; a rename there once broke its import.
-    from bench import compare, protocols
-    assert set(protocols.LAYOUTS.values()) <= set(compare.STARTERS)
+    # bench/protocols.py reuses bench/servers.py's starters; a rename once broke its import.
+    from bench import protocols, servers
+    assert set(protocols.LAYOUTS.values()) <= set(servers.STARTERS)
     assert {protocols.LAYOUTS[k] for k in ("default", "fast")} == {
         "gateway", "gateway-colocated-haproxy"}
 
@@ -45,12 +45,13 @@ def test_the_controller_benches_import():
 
 
 def test_the_stall_bench_uses_compare_s_helpers_that_exist():
-    # bench/stall.py reuses compare.py's starters and private helpers; a rename there would only
-    # show when measuring.
-    from bench import compare, stall
-    for name in ("_wait_ready", "_bench", "_stop", "_bin", "_models", "_hog"):
-        assert callable(getattr(compare, name)), name
-    assert "gateway-colocated-haproxy" in compare.STARTERS and "bare" in compare.STARTERS
+    # bench/stall.py reuses the servers' and the load generator's helpers; a rename there would
+    # only show when measuring.
+    from bench import load, servers, stall
+    for name in ("wait_ready", "stop", "venv_bin", "models", "start_hog"):
+        assert callable(getattr(servers, name)), name
+    assert callable(load.run_load) and callable(load.client_priority)
+    assert "gateway-colocated-haproxy" in servers.STARTERS and "bare" in servers.STARTERS
     threads = stall._schedstat({os.getpid(): "pytest"})
     comm, run_ns, wait_ns, slices = threads[(os.getpid(), os.getpid())]
     assert run_ns > 0 and wait_ns >= 0 and slices > 0 and comm
@@ -60,21 +61,21 @@ def test_the_load_generator_runs_at_the_priority_it_was_granted(monkeypatch, cap
     import subprocess
     import sys
 
-    from bench import compare
-    assert compare.client_priority("normal") == "normal"
+    from bench import load
+    assert load.client_priority("normal") == "normal"
 
     # Granted (root / CAP_SYS_NICE): a child started with the hook runs SCHED_FIFO.
-    if compare.client_priority("realtime") == "realtime":
+    if load.client_priority("realtime") == "realtime":
         policy = subprocess.run(
             [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
-            preexec_fn=compare._realtime, capture_output=True, text=True, check=True).stdout
+            preexec_fn=load.realtime, capture_output=True, text=True, check=True).stdout
         assert int(policy) == os.SCHED_FIFO
 
     # Refused: the bench measures at normal priority, says so, and the rows record it.
     def refuse(*_):
         raise PermissionError(1, "Operation not permitted")
-    monkeypatch.setattr(compare.os, "sched_setscheduler", refuse)
-    assert compare.client_priority("realtime") == "normal"
+    monkeypatch.setattr(load.os, "sched_setscheduler", refuse)
+    assert load.client_priority("realtime") == "normal"
     assert "normal priority" in capsys.readouterr().err
     rows = [_row("bare", 0, 100, 0.5) | {"client": "realtime"}, _row("gateway", 0, 90, 1.0)]
     text = summarize(rows, SimpleNamespace(backend="openai", hog=True))
