@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 import msgspec
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -30,6 +31,7 @@ from gateway.local_engine import CloseStreamsWithRequest
 from gateway.metrics import MetricsMiddleware, render_metrics
 from gateway.model_routes import engine_deployment
 from gateway.registry import ModelRegistry
+from gateway.response_store import RayResponseStore
 from gateway.shapes import ErrorShapes
 from gateway.telemetry import (
     GatewayMetrics,
@@ -41,6 +43,7 @@ from gateway.telemetry import (
 from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
 from protocols.internal import EngineUnavailable, InvalidPrompt
+from protocols.responses.store import MemoryStore, ResponseStore
 
 __all__ = ["GatewayIngress", "build_app", "build_engine_app", "build_model_app", "create_app",
            "serve_asgi_app"]
@@ -55,9 +58,12 @@ VERSION = "0.1.0"
 
 
 def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
-               metrics: GatewayMetrics | None = None, answer_ids: bool = True) -> FastAPI:
+               metrics: GatewayMetrics | None = None, answer_ids: bool = True,
+               response_store: ResponseStore | None = None) -> FastAPI:
     """``metrics``: where the request series go (default: Ray's metrics system);
-    ``answer_ids``: add ``x-request-id`` to responses (Serve adds it to a replica's)."""
+    ``answer_ids``: add ``x-request-id`` to responses (Serve adds it to a replica's);
+    ``response_store``: the Responses API's stored responses (default: the cluster's, in
+    process without Ray)."""
     config = config or GatewayConfig()
     metrics = metrics or gateway_metrics()
     keys = config.keys()
@@ -70,6 +76,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     errors = ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
+    app.state.response_store = response_store or _response_store(config)
     # Each protocol's own options, built once (protocols.spec.options_of reads them).
     app.state.protocol_options = {spec.options: config.options_for(spec.options)
                                   for spec in specs if spec.options is not None}
@@ -84,6 +91,13 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
         for router in spec.routers:
             app.include_router(router)
     return app
+
+
+def _response_store(config: GatewayConfig) -> ResponseStore | None:
+    size = config.stored_responses_mib * 1024 * 1024
+    if not size:
+        return None
+    return RayResponseStore(size) if ray.is_initialized() else MemoryStore(size)
 
 
 def _add_middlewares(app: FastAPI, config: GatewayConfig, errors: ErrorShapes,

@@ -77,6 +77,9 @@ with rate limits). ``ingress_num_cpus``
     lmi_output_formatter: Literal["jsonlines", "sse"] = "jsonlines"
     # The model TGI's routes (/generate, /generate_stream, POST /, /info) serve; default: first.
     tgi_model: str | None = None
+    # Responses API: the most memory stored responses take, shared by the cluster's replicas
+    # (the least recently used dropped first); 0 stores none (docs/protocols/responses.md).
+    stored_responses_mib: int = 64
 
     def __post_init__(self) -> None:
         for field in ("max_concurrent_requests", "max_ongoing_requests", "lmtp_max_streams",
@@ -87,6 +90,9 @@ with rate limits). ``ingress_num_cpus``
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise ValueError(f"{field} must be positive or null, got {value}")
+        if self.stored_responses_mib < 0:
+            raise ValueError(f"stored_responses_mib must be 0 or more, got "
+                             f"{self.stored_responses_mib}")
         if self.max_fanout < 1:
             raise ValueError(f"max_fanout must be positive, got {self.max_fanout}")
         if self.max_request_bytes < 1:

@@ -2,12 +2,13 @@
 
 Input items: messages (``user``, ``system``, ``developer`` as system, ``assistant``) with text
 content, ``function_call`` (joined to the assistant turn it follows) and
-``function_call_output`` (a ``tool`` message answering an earlier call). Stateless: nothing is
-stored, so ``previous_response_id`` is refused.
+``function_call_output`` (a ``tool`` message answering an earlier call), after the stored
+context a ``previous_response_id`` names (``routes``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from protocols.controllers import json_schema_controller
@@ -25,7 +26,7 @@ from protocols.openai.errors import OpenAIError
 from protocols.responses.schemas import ResponsesRequest
 from protocols.tools import ToolChoice, history_call, tool_definitions, tools_controller
 
-__all__ = ["responses_request"]
+__all__ = ["input_items", "responses_request"]
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
@@ -48,8 +49,16 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(part["text"] for part in content)
 
 
-def _messages(body: ResponsesRequest, names: frozenset[str] | None) -> list[ChatMessage]:
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a string is one user message)."""
+    if isinstance(body.input, str):
+        return [{"type": "message", "role": "user", "content": body.input}]
+    return body.input
+
+
+def _messages(body: ResponsesRequest, names: frozenset[str] | None,
+              context: Sequence[dict[str, Any]]) -> list[ChatMessage]:
+    items = [*context, *input_items(body)]
     out = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     calls: dict[str, str] = {}
     for i, item in enumerate(items):
@@ -137,11 +146,10 @@ def _controller(body: ResponsesRequest, tools: tuple[ToolDefinition, ...],
                           if choice.mode == "none" else "tools") from None
 
 
-def responses_request(body: ResponsesRequest, model: str,
-                      request_id: str) -> tuple[GenerateRequest, ToolChoice]:
-    _check(body.previous_response_id is None, "previous_response_id is not supported: this "
-           "gateway stores no responses; send the whole conversation in input",
-           "previous_response_id")
+def responses_request(body: ResponsesRequest, model: str, request_id: str,
+                      context: Sequence[dict[str, Any]] = ()) -> tuple[GenerateRequest, ToolChoice]:
+    """``context``: the items of the conversation so far (the stored response's), before the
+    request's own input."""
     _check(body.max_output_tokens is None or body.max_output_tokens >= 1,
            "max_output_tokens must be at least 1", "max_output_tokens")
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -150,7 +158,7 @@ def responses_request(body: ResponsesRequest, model: str,
     _check(0 < top_p <= 1, "top_p must be in (0, 1]", "top_p")
     tools, choice = _tools(body)
     names = frozenset(t.name for t in tools) or None
-    prompt = ChatPrompt(messages=tuple(_messages(body, names)),
+    prompt = ChatPrompt(messages=tuple(_messages(body, names, context)),
                         tools=tools if choice.mode != "none" else ())
     request = GenerateRequest(
         request_id=request_id, model=model, prompt=prompt,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 
 from tests.e2e.conftest import MODEL
@@ -72,3 +73,29 @@ def test_text_format_json_schema_validates(openai_client):
     with openai_client.responses.stream(**kwargs) as stream:
         streamed = stream.get_final_response()
     assert streamed.output_text == out.output_text
+
+
+def test_stored_responses_continue_a_conversation_on_any_application(openai_client):
+    """``previous_response_id`` as vLLM's own greedy answer to the whole conversation; the
+    model's application stores, the gateway's answers ``GET`` (it names no model): one store."""
+    first = openai_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16,
+                                           temperature=0)
+    second = openai_client.responses.create(model=MODEL, input="Say it in French.",
+                                            previous_response_id=first.id,
+                                            max_output_tokens=16, temperature=0)
+    oracle = openai_client.chat.completions.create(
+        model=MODEL, max_tokens=16, temperature=0, messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Say it in French."}])
+    assert second.output_text == oracle.choices[0].message.content
+    assert second.previous_response_id == first.id and second.store is True
+    kept = openai_client.responses.retrieve(second.id)
+    assert (kept.id, kept.output_text) == (second.id, second.output_text)
+    items = openai_client.responses.input_items.list(second.id)
+    assert [item.content for item in items.data] == ["Say it in French."]
+    openai_client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.create(model=MODEL, input="x", previous_response_id=first.id)

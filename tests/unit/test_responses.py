@@ -102,7 +102,6 @@ async def test_an_engine_without_controllers_refuses_grammars_naming_the_field(e
 
 
 BAD = [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),

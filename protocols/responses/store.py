@@ -1,0 +1,91 @@
+"""Stored responses: what ``previous_response_id`` continues from and what ``GET``/``DELETE
+/v1/responses/{id}`` read (docs/protocols/responses.md, "Stored responses").
+
+:class:`ResponseCache` is the bounded store itself (least recently used dropped first, by the
+bytes its entries encode to); :class:`MemoryStore` serves it in process (tests, one replica). The
+gateway's replicas share one cache in a Ray actor (``gateway/response_store.py``), since a
+conversation's next request may reach any replica of any layout.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Protocol
+
+import msgspec
+
+__all__ = ["MemoryStore", "ResponseCache", "ResponseStore", "StoredResponse"]
+
+
+class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """One response as answered (``response``), the input items its request sent, and
+    ``context``: the items a response that continues it starts from (its own context, then its
+    input, then its output; instructions are not carried over, as in OpenAI's API)."""
+
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    context: list[dict[str, Any]]
+
+
+class ResponseStore(Protocol):
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def put(self, stored: StoredResponse) -> bool:
+        """False when it is not kept (larger than the whole store)."""
+        ...
+
+    async def delete(self, response_id: str) -> bool: ...
+
+
+class ResponseCache:
+    """At most ``max_bytes`` of encoded responses; the least recently used go first."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry[0]
+
+    def put(self, stored: StoredResponse) -> bool:
+        size = len(msgspec.json.encode(stored))
+        if size > self.max_bytes:
+            return False
+        self.delete(stored.response["id"])
+        self._entries[stored.response["id"]] = (stored, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+        return True
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.bytes -= entry[1]
+        return True
+
+
+class MemoryStore:
+    """A :class:`ResponseCache` in this process."""
+
+    def __init__(self, max_bytes: int):
+        self.cache = ResponseCache(max_bytes)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return self.cache.get(response_id)
+
+    async def put(self, stored: StoredResponse) -> bool:
+        return self.cache.put(stored)
+
+    async def delete(self, response_id: str) -> bool:
+        return self.cache.delete(response_id)
