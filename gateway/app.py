@@ -15,7 +15,6 @@ import uuid
 from typing import Any
 
 import msgspec
-import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -62,8 +61,8 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
                response_store: ResponseStore | None = None) -> FastAPI:
     """``metrics``: where the request series go (default: Ray's metrics system);
     ``answer_ids``: add ``x-request-id`` to responses (Serve adds it to a replica's);
-    ``response_store``: the Responses API's stored responses (default: the cluster's, in
-    process without Ray)."""
+    ``response_store``: the Responses API's stored responses (default: in this process; a
+    Serve replica's are the cluster's, ``serve_asgi_app``)."""
     config = config or GatewayConfig()
     metrics = metrics or gateway_metrics()
     keys = config.keys()
@@ -76,7 +75,8 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     errors = ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
-    app.state.response_store = response_store or _response_store(config)
+    size = config.stored_responses_mib * 1024 * 1024
+    app.state.response_store = (response_store or MemoryStore(size)) if size else None
     # Each protocol's own options, built once (protocols.spec.options_of reads them).
     app.state.protocol_options = {spec.options: config.options_for(spec.options)
                                   for spec in specs if spec.options is not None}
@@ -91,13 +91,6 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
         for router in spec.routers:
             app.include_router(router)
     return app
-
-
-def _response_store(config: GatewayConfig) -> ResponseStore | None:
-    size = config.stored_responses_mib * 1024 * 1024
-    if not size:
-        return None
-    return RayResponseStore(size) if ray.is_initialized() else MemoryStore(size)
 
 
 def _add_middlewares(app: FastAPI, config: GatewayConfig, errors: ErrorShapes,
@@ -230,7 +223,8 @@ def serve_asgi_app(registry: ModelRegistry, config: GatewayConfig,
     ``capacity``, the generations it admits, is told to Serve's proxy in a header."""
     from gateway.tag_store import SharedTagStore
 
-    app = create_app(registry, config, answer_ids=False)
+    stored = RayResponseStore(config.stored_responses_mib * 1024 * 1024)
+    app = create_app(registry, config, answer_ids=False, response_store=stored)
     # For Serve's proxy (gateway.proxy), which takes it off; HAProxy would pass it on.
     if capacity is not None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         app.add_middleware(CapacityHeader, capacity=capacity)

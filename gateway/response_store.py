@@ -5,8 +5,10 @@ detached Ray actor holding a bounded :class:`~protocols.responses.store.Response
 A conversation's next request may reach another replica, another application (each model's own,
 or the gateway's for ``GET /v1/responses/{id}``, which names no model), or the same after a
 restart: so the cache lives in none of them. The first replica that stores or reads a response
-starts the actor (``get_if_exists``); the others find it by name. It keeps its entries for the
-cluster's life, across redeployments, within its byte bound; if it dies, they are gone.
+starts the actor (``get_if_exists``; its size is that replica's ``stored_responses_mib``); the
+others find it by name. It keeps its entries for the cluster's life, across redeployments,
+within its byte bound; if its process dies, Ray restarts it empty. Responses cross as encoded
+bytes: the actor does no decoding, each replica its own.
 """
 
 from __future__ import annotations
@@ -15,25 +17,27 @@ import asyncio
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
-from protocols.responses.store import ResponseCache, StoredResponse
+from protocols.responses.store import ResponseCache, StoredResponse, decode, encode
 
 __all__ = ["ACTOR_NAME", "RayResponseStore"]
 
-ACTOR_NAME = "llm-gateway-responses"
+# The stored layout's version is in the name: a gateway that stores another one starts its own.
+ACTOR_NAME = "llm-gateway-responses-v1"
 _NAMESPACE = "llm-gateway"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+@ray.remote(num_cpus=0)
 class _ResponseStoreActor:
     def __init__(self, max_bytes: int):
         self.cache = ResponseCache(max_bytes)
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str) -> bytes | None:
         return self.cache.get(response_id)
 
-    def put(self, stored: StoredResponse) -> bool:
-        return self.cache.put(stored)
+    def put(self, response_id: str, raw: bytes) -> bool:
+        return self.cache.put(response_id, raw)
 
     def delete(self, response_id: str) -> bool:
         return self.cache.delete(response_id)
@@ -47,21 +51,27 @@ class RayResponseStore:
         self._actor: Any = None
         self._lock = asyncio.Lock()
 
-    async def _store(self) -> Any:
+    async def _call(self, method: str, *args: Any) -> Any:
         async with self._lock:
             if self._actor is None:
-                # Blocking (a lookup, or the actor's start): off the replica's event loop.
+                # A GCS lookup, or the actor's start, is blocking: off the replica's loop.
                 self._actor = await asyncio.to_thread(
-                    _ResponseStoreActor.options(name=ACTOR_NAME, namespace=_NAMESPACE,
-                                                lifetime="detached", get_if_exists=True).remote,
+                    _ResponseStoreActor.options(
+                        name=ACTOR_NAME, namespace=_NAMESPACE, lifetime="detached",
+                        get_if_exists=True, max_restarts=-1, max_task_retries=3).remote,
                     self.max_bytes)
-            return self._actor
+            actor = self._actor
+        try:
+            return await getattr(actor, method).remote(*args)
+        except RayActorError:
+            self._actor = None  # gone for good: the next call finds (or starts) it again
+            raise
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        return await (await self._store()).get.remote(response_id)
+        return decode(await self._call("get", response_id))
 
     async def put(self, stored: StoredResponse) -> bool:
-        return await (await self._store()).put.remote(stored)
+        return await self._call("put", stored.response["id"], encode(stored))
 
     async def delete(self, response_id: str) -> bool:
-        return await (await self._store()).delete.remote(response_id)
+        return await self._call("delete", response_id)

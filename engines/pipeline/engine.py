@@ -265,11 +265,11 @@ class PipelineEngine:
                     top = tuple(TopLogprob(token_id=int(i), text=self.tokenizer.decode([int(i)]),
                                            logprob=float(v)) for i, v in zip(ids, values,
                                                                              strict=True))
-                scored = k is not None
+                scored = k is not None  # (rank: ties count against it, as vLLM's)
                 tokens.append(PromptToken(token_id=token, text=self.tokenizer.decode([token]),
                                           logprob=float(row[token]) if scored else None,
                                           top_logprobs=top,
-                                          rank=int((row > row[token]).sum()) + 1 if scored
+                                          rank=int((row >= row[token]).sum()) if scored
                                           else None))
         return PromptEvent(text=self.tokenizer.decode(prompt_ids), tokens=tuple(tokens))
 

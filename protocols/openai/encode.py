@@ -357,8 +357,8 @@ def completion_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool
                 offset += len(token.text)
         out.append({"index": index, "text": "".join(choice.text), "logprobs": lp,
                     "finish_reason": finish, "stop_reason": stop_reason})
-        if collected.prompt_scores:  # asked for (vLLM's field, one list per choice)
-            out[-1]["prompt_logprobs"] = collected.prompt_scores.get(index)
+        # vLLM's field, one list per choice (null unless asked for)
+        out[-1]["prompt_logprobs"] = collected.prompt_scores.get(index)
     return {"id": meta.id, "object": "text_completion", "created": meta.created,
             "model": meta.model, "choices": out, "usage": collected.usage}
 
@@ -378,6 +378,6 @@ def chat_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool,
         })
     response = {"id": meta.id, "object": "chat.completion", "created": meta.created,
                 "model": meta.model, "choices": out, "usage": collected.usage}
-    if collected.prompt_scores:  # asked for (vLLM's field: the one prompt's, beside choices)
-        response["prompt_logprobs"] = collected.prompt_scores.get(0)
+    # vLLM's field: the one prompt's, beside the choices (null unless asked for)
+    response["prompt_logprobs"] = collected.prompt_scores.get(0)
     return response

@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -92,16 +93,23 @@ async def responses(request: Request) -> Response:
 async def _put(store: ResponseStore, stored: StoredResponse) -> None:
     # The answer is made: a store that fails (its actor restarting) must not withhold it.
     try:
-        await store.put(stored)
+        kept = await store.put(stored)
     except Exception:
         log.exception("storing response %s failed", stored.response["id"])
+        return
+    if not kept:
+        log.warning("response %s not stored: larger than the whole store",
+                    stored.response["id"])
 
 
-async def _get(store: ResponseStore | None, response_id: str) -> StoredResponse | None:
+async def _ask(store: ResponseStore | None, method: str, response_id: str) -> Any:
+    """``store.<method>(response_id)``; a store that cannot be reached is a 503."""
+    if store is None:
+        return None
     try:
-        return await store.get(response_id) if store is not None else None
+        return await getattr(store, method)(response_id)
     except Exception:
-        log.exception("reading stored response %s failed", response_id)
+        log.exception("%s of stored response %s failed", method, response_id)
         raise OpenAIError(503, "stored responses are unavailable right now; try again") from None
 
 
@@ -109,7 +117,7 @@ async def _context(store: ResponseStore | None, previous: str | None) -> list[di
     """The items the response named by ``previous_response_id`` leaves off with."""
     if previous is None:
         return []
-    stored = await _get(store, previous)
+    stored = await _ask(store, "get", previous)
     if stored is None:
         raise OpenAIError(404, f"Previous response with id {previous!r} not found.",
                           "previous_response_id")
@@ -130,10 +138,14 @@ async def _kept(events: AsyncIterator[tuple[str, dict]], store: ResponseStore,
         yield name, data
 
 
+def _not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(404, f"Response with id {response_id!r} not found.", "response_id")
+
+
 async def _found(request: Request, response_id: str) -> StoredResponse:
-    stored = await _get(request.app.state.response_store, response_id)
+    stored = await _ask(request.app.state.response_store, "get", response_id)
     if stored is None:
-        raise OpenAIError(404, f"Response with id {response_id!r} not found.", "response_id")
+        raise _not_found(response_id)
     return stored
 
 
@@ -144,8 +156,8 @@ async def retrieve(request: Request, response_id: str) -> Response:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(request: Request, response_id: str) -> Response:
-    await _found(request, response_id)
-    await request.app.state.response_store.delete(response_id)
+    if not await _ask(request.app.state.response_store, "delete", response_id):
+        raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
@@ -153,12 +165,12 @@ async def delete(request: Request, response_id: str) -> Response:
 async def list_input_items(request: Request, response_id: str, order: str = "desc",
                            limit: int = 20, after: str | None = None) -> Response:
     """The input items the response's own request sent (not its context), in OpenAI's list
-    shape; each has an id (``input_<response>_<n>`` where the request gave none)."""
+    shape."""
     if order not in ("asc", "desc") or not 1 <= limit <= 100:
         raise OpenAIError(400, "order is 'asc' or 'desc'; limit is in [1, 100]",
                           "order" if order not in ("asc", "desc") else "limit")
     stored = await _found(request, response_id)
-    items = [{"id": f"input_{response_id[5:]}_{i}", **item}
+    items = [_listed(item, f"input_{response_id[5:]}_{i}")
              for i, item in enumerate(stored.input_items)]
     items = items[::-1] if order == "desc" else items
     if after is not None:
@@ -169,3 +181,14 @@ async def list_input_items(request: Request, response_id: str, order: str = "des
                          "first_id": page[0]["id"] if page else None,
                          "last_id": page[-1]["id"] if page else None,
                          "has_more": len(items) > limit})
+
+
+def _listed(item: dict[str, Any], item_id: str) -> dict[str, Any]:
+    """An input item as OpenAI lists it: typed, with an id (``item_id`` where the request gave
+    none) and a status, a message's text as content parts."""
+    listed = {**item, "id": item.get("id") or item_id, "type": item.get("type", "message"),
+              "status": item.get("status", "completed")}
+    if listed["type"] == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        listed["content"] = [{"type": part, "text": item["content"]}]
+    return listed

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-__all__ = ["MemoryStore", "ResponseCache", "ResponseStore", "StoredResponse"]
+__all__ = ["MemoryStore", "ResponseCache", "ResponseStore", "StoredResponse", "decode",
+           "encode"]
 
 
 class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,41 +39,48 @@ class ResponseStore(Protocol):
 
 
 class ResponseCache:
-    """At most ``max_bytes`` of encoded responses; the least recently used go first."""
+    """At most ``max_bytes`` of responses, kept encoded (the bound is what they occupy, and
+    they cross to and from an actor as bytes); the least recently used go first."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is None:
-            return None
-        self._entries.move_to_end(response_id)
-        return entry[0]
+    def get(self, response_id: str) -> bytes | None:
+        raw = self._entries.get(response_id)
+        if raw is not None:
+            self._entries.move_to_end(response_id)
+        return raw
 
-    def put(self, stored: StoredResponse) -> bool:
-        size = len(msgspec.json.encode(stored))
-        if size > self.max_bytes:
+    def put(self, response_id: str, raw: bytes) -> bool:
+        if len(raw) > self.max_bytes:
             return False
-        self.delete(stored.response["id"])
-        self._entries[stored.response["id"]] = (stored, size)
-        self.bytes += size
+        self.delete(response_id)
+        self._entries[response_id] = raw
+        self.bytes += len(raw)
         while self.bytes > self.max_bytes:
-            _, (_, dropped) = self._entries.popitem(last=False)
-            self.bytes -= dropped
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes -= len(dropped)
         return True
 
     def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
+        raw = self._entries.pop(response_id, None)
+        if raw is None:
             return False
-        self.bytes -= entry[1]
+        self.bytes -= len(raw)
         return True
+
+
+def encode(stored: StoredResponse) -> bytes:
+    return msgspec.json.encode(stored)
+
+
+def decode(raw: bytes | None) -> StoredResponse | None:
+    return None if raw is None else msgspec.json.decode(raw, type=StoredResponse)
 
 
 class MemoryStore:
@@ -82,10 +90,10 @@ class MemoryStore:
         self.cache = ResponseCache(max_bytes)
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        return self.cache.get(response_id)
+        return decode(self.cache.get(response_id))
 
     async def put(self, stored: StoredResponse) -> bool:
-        return self.cache.put(stored)
+        return self.cache.put(stored.response["id"], encode(stored))
 
     async def delete(self, response_id: str) -> bool:
         return self.cache.delete(response_id)

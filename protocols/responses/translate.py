@@ -58,36 +58,47 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
 
 def _messages(body: ResponsesRequest, names: frozenset[str] | None,
               context: Sequence[dict[str, Any]]) -> list[ChatMessage]:
-    items = [*context, *input_items(body)]
+    """The stored context (checked as what it is: turns already taken, whatever tools this
+    request names), then the request's own input."""
     out = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     calls: dict[str, str] = {}
-    for i, item in enumerate(items):
-        where, kind = f"input[{i}]", item.get("type", "message")
-        if kind == "message":
-            role = _ROLES.get(item.get("role"))
-            _check(role is not None, f"{where}.role must be user, system, developer or "
-                   "assistant", "input")
-            out.append(ChatMessage(role=role, content=_text(item.get("content"), where)))
-        elif kind == "function_call":
-            call = _call(item, where, names)
-            calls[call.id] = call.name
-            last = out[-1] if out else None
-            if last is not None and last.role == "assistant":
-                out[-1] = ChatMessage(role="assistant", content=last.content,
-                                      tool_calls=(*last.tool_calls, call))
-            else:
-                out.append(ChatMessage(role="assistant", content="", tool_calls=(call,)))
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            _check(call_id in calls, f"{where}: function_call_output answers call_id "
-                   f"{call_id!r}, which no earlier function_call made", "input")
-            out.append(ChatMessage(role="tool", content=_text(item.get("output", ""), where),
-                                   tool_call_id=call_id, name=calls[call_id]))
-        else:
-            raise OpenAIError(400, f"{where}: input items of type {kind!r} are not supported",
-                              "input")
+    for i, item in enumerate(context):
+        if item.get("type") == "function_call" and item.get("status") == "incomplete":
+            continue  # cut off by max_output_tokens: its arguments may be partial JSON
+        _add(out, calls, item, f"previous_response_id's item {i}", None)
+    for i, item in enumerate(input_items(body)):
+        _add(out, calls, item, f"input[{i}]", names)
     _check(bool(out), "input must not be empty", "input")
     return out
+
+
+def _add(out: list[ChatMessage], calls: dict[str, str], item: dict[str, Any], where: str,
+         names: frozenset[str] | None) -> None:
+    """One input item onto the conversation (``calls``: call id → tool name, so far)."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = _ROLES.get(item.get("role"))
+        _check(role is not None, f"{where}.role must be user, system, developer or "
+               "assistant", "input")
+        out.append(ChatMessage(role=role, content=_text(item.get("content"), where)))
+    elif kind == "function_call":
+        call = _call(item, where, names)
+        calls[call.id] = call.name
+        last = out[-1] if out else None
+        if last is not None and last.role == "assistant":
+            out[-1] = ChatMessage(role="assistant", content=last.content,
+                                  tool_calls=(*last.tool_calls, call))
+        else:
+            out.append(ChatMessage(role="assistant", content="", tool_calls=(call,)))
+    elif kind == "function_call_output":
+        call_id = item.get("call_id")
+        _check(call_id in calls, f"{where}: function_call_output answers call_id "
+               f"{call_id!r}, which no earlier function_call made", "input")
+        out.append(ChatMessage(role="tool", content=_text(item.get("output", ""), where),
+                               tool_call_id=call_id, name=calls[call_id]))
+    else:
+        raise OpenAIError(400, f"{where}: input items of type {kind!r} are not supported",
+                          "input")
 
 
 def _call(item: dict, where: str, names: frozenset[str] | None) -> ToolCall:

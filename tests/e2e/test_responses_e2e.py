@@ -93,7 +93,7 @@ def test_stored_responses_continue_a_conversation_on_any_application(openai_clie
     kept = openai_client.responses.retrieve(second.id)
     assert (kept.id, kept.output_text) == (second.id, second.output_text)
     items = openai_client.responses.input_items.list(second.id)
-    assert [item.content for item in items.data] == ["Say it in French."]
+    assert [item.content[0].text for item in items.data] == ["Say it in French."]
     openai_client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         openai_client.responses.retrieve(first.id)

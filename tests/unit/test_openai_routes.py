@@ -115,7 +115,7 @@ async def test_completion_prompt_logprobs_in_vllms_shape(client, engine):
     assert [c["prompt_logprobs"] for c in choices] == [first, first, second, second]
     assert choices[0]["logprobs"] is None and choices[0]["text"] == "He"
     plain = (await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})).json()
-    assert "prompt_logprobs" not in plain["choices"][0]
+    assert plain["choices"][0]["prompt_logprobs"] is None  # vLLM's field, null unasked
     assert engine.requests[-1].output.prompt_logprobs is None
 
 
@@ -128,6 +128,9 @@ async def test_chat_prompt_logprobs_beside_the_choices(client):
     assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] == i
                for i, entry in enumerate(scores[1:], start=1))
     assert "prompt_logprobs" not in body["choices"][0]
+    plain = (await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})).json()
+    assert plain["prompt_logprobs"] is None
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

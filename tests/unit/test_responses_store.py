@@ -12,7 +12,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
 from protocols.internal import ToolCall
-from protocols.responses.store import ResponseCache, StoredResponse
+from protocols.responses.store import MemoryStore, ResponseCache, StoredResponse, encode
 from tests.fake_engine import FakeEngine
 from tests.unit.test_responses import CALL, WEATHER
 
@@ -48,13 +48,24 @@ async def test_retrieve_input_items_and_delete(openai_on_fake):
         {"role": "user", "content": "one"}, {"role": "user", "content": "two"}])
     assert (await client.responses.retrieve(made.id)).model_dump() == made.model_dump()
     items = await client.responses.input_items.list(made.id)
-    assert [item.content for item in items.data] == ["two", "one"]  # OpenAI's default: desc
+    # OpenAI's default order is newest first; a message's text comes back as content parts.
+    assert [item.content[0].text for item in items.data] == ["two", "one"]
+    assert all(item.type == "message" and item.status == "completed" and item.id
+               and item.content[0].type == "input_text" for item in items.data)
+    assert (items.first_id, items.last_id, items.has_more) == (
+        items.data[0].id, items.data[-1].id, False)
     ascending = await client.responses.input_items.list(made.id, order="asc", limit=1)
-    assert [item.content for item in ascending.data] == ["one"] and ascending.has_more
-    deleted = await client.responses.delete(made.id)
-    assert deleted is None or getattr(deleted, "deleted", True)
+    assert [item.content[0].text for item in ascending.data] == ["one"] and ascending.has_more
+    rest = await client.responses.input_items.list(made.id, order="asc",
+                                                   after=ascending.data[0].id)
+    assert [item.content[0].text for item in rest.data] == ["two"] and not rest.has_more
+    deleted = await client.responses.with_raw_response.delete(made.id)
+    assert deleted.http_response.json() == {"id": made.id, "object": "response",
+                                            "deleted": True}
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.delete(made.id)
     with pytest.raises(openai.NotFoundError) as info:
         await client.responses.create(model="fake-model", input="x", previous_response_id=made.id)
     assert info.value.body["param"] == "previous_response_id"
@@ -110,19 +121,70 @@ async def test_a_gateway_storing_nothing_says_so():
         assert listed.status_code == 400 and listed.json()["error"]["param"] == "limit"
 
 
-def _stored(response_id: str, text: str) -> StoredResponse:
-    return StoredResponse(response={"id": response_id}, input_items=[{"content": text}],
-                          context=[])
+async def test_a_cut_off_call_is_left_out_and_old_calls_need_not_match_the_new_tools(
+        openai_on_fake):
+    client, engine = openai_on_fake(CALL)
+    cut = await client.responses.create(model="fake-model", input="Weather?", tools=[WEATHER],
+                                        max_output_tokens=CALL.index("Paris") + 2)  # mid-value
+    assert cut.status == "incomplete" and cut.output[-1].type == "function_call"
+    done = await client.responses.create(model="fake-model", input="Weather in Paris?",
+                                         tools=[WEATHER])
+    (call,) = [item for item in done.output if item.type == "function_call"]
+    engine.model.reply = "Fine."
+    # The cut-off call is not part of the context; the finished one stays, though this
+    # request names no tools.
+    again = await client.responses.create(model="fake-model", input="Thanks.",
+                                          previous_response_id=cut.id)
+    assert again.output_text == "Fine."
+    assert _roles(engine) == [("user", "Weather?"), ("user", "Thanks.")]
+    answered = await client.responses.create(
+        model="fake-model", previous_response_id=done.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert answered.output_text == "Fine."
+
+
+class _Failing:
+    async def get(self, response_id):
+        raise ConnectionError("the store's actor is restarting")
+
+    put = delete = get
+
+
+async def test_a_store_that_fails_withholds_no_answer_and_reads_are_503s():
+    engine = FakeEngine(reply="Hello")
+    app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig(),
+                     response_store=_Failing())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        made = await c.post("/v1/responses", json={"input": "Hi"})
+        assert made.status_code == 200 and made.json()["output"][0]["content"][0]["text"] == \
+            "Hello"
+        streamed = await c.post("/v1/responses", json={"input": "Hi", "stream": True})
+        assert streamed.status_code == 200 and "response.completed" in streamed.text
+        for method, path in (("GET", f"/v1/responses/{made.json()['id']}"),
+                             ("DELETE", f"/v1/responses/{made.json()['id']}")):
+            r = await c.request(method, path)
+            assert r.status_code == 503 and r.json()["error"]["message"]
+        r = await c.post("/v1/responses", json={"input": "x",
+                                                "previous_response_id": made.json()["id"]})
+        assert r.status_code == 503 and not engine.requests[2:]
 
 
 def test_the_cache_drops_the_least_recently_used_within_its_bytes():
-    size = len(__import__("msgspec").json.encode(_stored("a", "x" * 100)))
-    cache = ResponseCache(max_bytes=2 * size)
-    assert cache.put(_stored("a", "x" * 100)) and cache.put(_stored("b", "y" * 100))
-    assert cache.get("a") is not None  # a is now the more recent
-    assert cache.put(_stored("c", "z" * 100))
+    cache = ResponseCache(max_bytes=200)
+    assert cache.put("a", b"x" * 100) and cache.put("b", b"y" * 100)
+    assert cache.get("a") == b"x" * 100  # a is now the more recent
+    assert cache.put("c", b"z" * 100)
     assert cache.get("b") is None and cache.get("a") and cache.get("c")
-    assert cache.bytes == 2 * size and len(cache) == 2
-    assert not cache.put(_stored("huge", "x" * (3 * size)))  # larger than the store: not kept
-    assert cache.put(_stored("a", "w" * 100)) and len(cache) == 2 and cache.bytes == 2 * size
-    assert cache.delete("a") and not cache.delete("a") and cache.bytes == size
+    assert cache.bytes == 200 and len(cache) == 2
+    assert not cache.put("huge", b"x" * 201)  # larger than the store: not kept
+    assert cache.put("a", b"w" * 50) and len(cache) == 2 and cache.bytes == 150
+    assert cache.delete("a") and not cache.delete("a") and cache.bytes == 100
+
+
+async def test_the_memory_store_keeps_what_it_is_given():
+    store = MemoryStore(max_bytes=1 << 20)
+    stored = StoredResponse(response={"id": "resp_1", "output": []},
+                            input_items=[{"type": "message", "role": "user", "content": "é"}],
+                            context=[])
+    assert await store.put(stored) and await store.get("resp_1") == stored
+    assert store.cache.bytes == len(encode(stored))
