@@ -75,7 +75,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     errors = ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
-    size = config.stored_responses_mib * 1024 * 1024
+    size = config.stored_responses_bytes
     app.state.response_store = (response_store or MemoryStore(size)) if size else None
     # Each protocol's own options, built once (protocols.spec.options_of reads them).
     app.state.protocol_options = {spec.options: config.options_for(spec.options)
@@ -223,7 +223,7 @@ def serve_asgi_app(registry: ModelRegistry, config: GatewayConfig,
     ``capacity``, the generations it admits, is told to Serve's proxy in a header."""
     from gateway.tag_store import SharedTagStore
 
-    stored = RayResponseStore(config.stored_responses_mib * 1024 * 1024)
+    stored = RayResponseStore(config.stored_responses_bytes)
     app = create_app(registry, config, answer_ids=False, response_store=stored)
     # For Serve's proxy (gateway.proxy), which takes it off; HAProxy would pass it on.
     if capacity is not None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":

@@ -81,6 +81,10 @@ with rate limits). ``ingress_num_cpus``
     # (the least recently used dropped first); 0 stores none (docs/protocols/responses.md).
     stored_responses_mib: int = 64
 
+    @property
+    def stored_responses_bytes(self) -> int:
+        return self.stored_responses_mib * 1024 * 1024
+
     def __post_init__(self) -> None:
         for field in ("max_concurrent_requests", "max_ongoing_requests", "lmtp_max_streams",
                       "lmtp_max_frame_bytes", "lmtp_outbox_items"):

@@ -92,7 +92,8 @@ async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bo
     """Start every sub-request, peek each, and merge them into one event stream. With echo, a
     whole response's splices are folded before the prompt is echoed (``collect`` folds the
     rest), so a fork copies the echo once and a backtrack cannot withdraw it. ``scores``: each
-    prompt's logprobs in vLLM's ``prompt_logprobs`` shape, top ``scores`` per position."""
+    prompt's logprobs in vLLM's ``prompt_logprobs`` shape, top ``scores`` per position (whole
+    responses only: a stream has no field for them)."""
     peeked: list[Peeked] = list(await asyncio.gather(*(peek(engine.generate(r)) for r in requests)))
     for p in peeked:
         if p.error is not None:
@@ -102,7 +103,7 @@ async def _start(engine: EngineClient, requests: list[GenerateRequest], echo: bo
     streams = []
     for i, p in enumerate(peeked):
         events = reindexed(fold_splices(aiter(p)) if echo and not stream else aiter(p), i * n)
-        if scores is not None:
+        if scores is not None and not stream:
             events = with_prompt_scores(events, range(i * n, (i + 1) * n), scores)
         streams.append(with_echo(events) if echo else events)  # its choices' final indices
     return merge(streams)
@@ -125,8 +126,7 @@ async def completions(raw: bytes | dict | CompletionRequest, models: ModelDirect
                           "prompt")
     meta = ChunkMeta(id=request_id, created=int(time.time()), model=name, n=body.n,
                      prompts=len(requests))
-    events = await _start(engine, requests, body.echo, body.stream,
-                          None if body.stream else body.prompt_logprobs)
+    events = await _start(engine, requests, body.echo, body.stream, body.prompt_logprobs)
     logprobs = body.logprobs is not None
     if body.stream:
         return sse(completion_chunks(events, meta, logprobs=logprobs,
@@ -150,7 +150,7 @@ async def chat_completions(raw: bytes | dict | ChatCompletionRequest, models: Mo
     if tools.mode != "none" and (refusal := await grammar_refusal(models, name)):
         raise OpenAIError(400, refusal, "tools")
     events = await _start(engine, [request], echo=False, stream=body.stream,
-                          scores=None if body.stream else body.prompt_logprobs)
+                          scores=body.prompt_logprobs)
     if body.stream:
         return sse(chat_chunks(events, meta, choices=body.n, logprobs=body.logprobs,
                                usage=_usage_mode(body.stream_options), tools=tools))
