@@ -47,15 +47,23 @@ def test_set_threads_moves_every_thread_and_the_ones_started_later():
     script = textwrap.dedent("""
         import os, threading
         from engines.placement import _set_threads
+        def mask(tid):
+            # A joined thread's id can stay listed a moment after join() returns: gone is fine.
+            try:
+                return os.sched_getaffinity(tid)
+            except ProcessLookupError:
+                return set()
         gate = threading.Event()
-        early = threading.Thread(target=gate.wait); early.start()
+        # A daemon, so a failed check below ends the process instead of leaving it waiting.
+        early = threading.Thread(target=gate.wait, daemon=True); early.start()
         avoid = min(os.sched_getaffinity(0))
         moved = _set_threads(os.getpid(), os.sched_getaffinity(0) - {avoid})
         seen = {}
         late = threading.Thread(target=lambda: seen.update(late=os.sched_getaffinity(0)))
         late.start(); late.join()
         tids = [int(t) for t in os.listdir("/proc/self/task")]
-        ok = all(avoid not in os.sched_getaffinity(t) for t in tids) and avoid not in seen["late"]
+        ok = all(avoid not in mask(t) for t in tids) and avoid not in seen["late"]
+        ok = ok and avoid not in mask(early.native_id)
         gate.set(); early.join()
         print(ok, moved, len(tids))
         """)
