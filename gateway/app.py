@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.config import ModelConfig
 from gateway.config import GatewayConfig, load_config
-from gateway.keys import KeyAuth, MeteredEngine
+from gateway.keys import KeyAuth, KeyScopedStore, MeteredEngine
 from gateway.limits import Admission, BodySizeLimit, CapacityHeader, route_path
 from gateway.local_engine import CloseStreamsWithRequest
 from gateway.metrics import MetricsMiddleware, render_metrics
@@ -76,7 +76,8 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
     size = config.stored_responses_bytes
-    app.state.response_store = (response_store or MemoryStore(size)) if size else None
+    app.state.response_store = KeyScopedStore(response_store or MemoryStore(size)) if size \
+        else None
     # Each protocol's own options, built once (protocols.spec.options_of reads them).
     app.state.protocol_options = {spec.options: config.options_for(spec.options)
                                   for spec in specs if spec.options is not None}

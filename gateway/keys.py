@@ -13,6 +13,7 @@ up to N times the rate).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
 import time
@@ -26,8 +27,9 @@ from gateway.limits import route_path
 from gateway.registry import EngineWrapper
 from gateway.telemetry import refused_for
 from protocols.internal import ErrorEvent, Event, FinalEvent, GenerateRequest
+from protocols.responses.store import ResponseStore, StoredResponse
 
-__all__ = ["ApiKey", "KeyAuth", "KeyState", "MeteredEngine", "current_key"]
+__all__ = ["ApiKey", "KeyAuth", "KeyScopedStore", "KeyState", "MeteredEngine", "current_key"]
 
 
 class ApiKey(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -79,6 +81,8 @@ class KeyState:
     def __init__(self, policy: ApiKey):
         self.policy = policy
         self.secret = policy.key.encode()
+        # Who owns what this key stores: a digest, so no store ever holds the key itself.
+        self.owner = hashlib.sha256(b"llm-gateway owner\0" + self.secret).hexdigest()
         rps, tpm = policy.requests_per_s, policy.tokens_per_min
         self.requests = _Bucket(rps, max(1.0, rps)) if rps else None
         self.tokens = _Bucket(tpm / 60.0, tpm) if tpm else None
@@ -173,3 +177,28 @@ class MeteredEngine(EngineWrapper):
                     prompt_charged = True
                 bucket.take(used)
             yield event
+
+
+class KeyScopedStore:
+    """Stored responses seen by the key that made them only, as OpenAI scopes them to their
+    project (docs/protocols/responses.md, "Stored responses"): each is stored with its caller's
+    :attr:`KeyState.owner`, and another key's reads and deletes find nothing (404), whether or
+    not it knows the id. Without keys every caller is the same one."""
+
+    def __init__(self, inner: ResponseStore):
+        self.inner = inner
+
+    @staticmethod
+    def _caller() -> str:
+        state = current_key.get()
+        return state.owner if state is not None else ""
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        stored = await self.inner.get(response_id)
+        return stored if stored is not None and stored.owner == self._caller() else None
+
+    async def put(self, stored: StoredResponse) -> bool:
+        return await self.inner.put(msgspec.structs.replace(stored, owner=self._caller()))
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.get(response_id) is not None and await self.inner.delete(response_id)

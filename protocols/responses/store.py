@@ -21,11 +21,14 @@ __all__ = ["MemoryStore", "ResponseCache", "ResponseStore", "StoredResponse", "d
 class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
     """One response as answered (``response``), the input items its request sent, and
     ``context``: the items a response that continues it starts from (its own context, then its
-    input, then its output; instructions are not carried over, as in OpenAI's API)."""
+    input, then its output; instructions are not carried over, as in OpenAI's API).
+    ``owner``: who may read it back; the gateway fills it with its caller's key digest
+    (``gateway.keys.KeyScopedStore``), empty when it checks no keys."""
 
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
     context: list[dict[str, Any]]
+    owner: str = ""
 
 
 class ResponseStore(Protocol):

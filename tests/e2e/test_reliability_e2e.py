@@ -22,6 +22,7 @@ import websockets
 from engines.config import ModelConfig
 from engines.embedded import local_model_dir
 from gateway.config import GatewayConfig
+from gateway.keys import ApiKey
 from gateway.model_routes import model_route
 from tests.e2e.conftest import MODEL
 from tests.e2e.serve_logs import replica_logs
@@ -29,6 +30,7 @@ from tests.pipeline_models import build_tiny
 from tests.serve_session import _wait_healthy
 
 APP, MODEL_APP, TINY, KEY = "faults", "faults-model", "tiny-llama", "reliability-key"
+OTHER_KEY = "reliability-other-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 ONGOING, QUEUED, INGRESS_LIMIT = 4, 4, 48
 
@@ -50,11 +52,13 @@ def faults_url(gateway_url, tiny_source):
                         num_cpus=0.05, max_ongoing_requests=ONGOING, max_queued_requests=QUEUED,
                         engine_args={"num_stages": 1, "stage_num_cpus": 0.05,
                                      "max_sequences": ONGOING})
-    settings = {"api_key": KEY, "max_concurrent_requests": INGRESS_LIMIT}
+    settings = {"api_keys": [ApiKey(key=KEY), ApiKey(key=OTHER_KEY, name="other")],
+                "max_concurrent_requests": INGRESS_LIMIT}
     # The default layout: the model its own application at /model/<name> (where HAProxy sends
     # requests naming it), the gateway application at /faults naming it; the tests below go
     # through the gateway's route unless they say otherwise.
-    serve.run(build_model_app({"model": msgspec.to_builtins(model), "gateway": settings}),
+    serve.run(build_model_app({"model": msgspec.to_builtins(model),
+                               "gateway": msgspec.to_builtins(settings)}),
               name=MODEL_APP, route_prefix=model_route(TINY))
     config = GatewayConfig(models=[msgspec.structs.replace(model, app=MODEL_APP)],
                            ingress_num_cpus=0.05, **settings)
@@ -104,6 +108,31 @@ def test_auth_matrix(faults_url, method, path, body, shape):
             assert r.status_code == 200, (scheme, r.text)
         for probe in ("/health", "/ping", "/v2/health/live", "/v2/health/ready"):
             assert c.get(probe).status_code == 200, probe
+
+
+def test_a_stored_response_is_seen_by_its_own_key_only(faults_url):
+    """Stored responses are per key (docs/protocols/responses.md): read through the model's
+    replicas and the gateway's, another key gets the 404 of an unknown id."""
+    from openai import NotFoundError, OpenAI
+
+    owner, other = (OpenAI(base_url=f"{faults_url}/v1", api_key=key, max_retries=0, timeout=60)
+                    for key in (KEY, OTHER_KEY))
+    made = owner.responses.create(model=TINY, input="Hi", max_output_tokens=2)
+    # Cut at 2 tokens a stream ends with response.incomplete (the SDK's stream helper wants
+    # response.completed), stored all the same.
+    streamed = [*owner.responses.create(model=TINY, input="Hi", max_output_tokens=2,
+                                        stream=True)][-1].response
+    for response_id in (made.id, streamed.id):
+        for call in (other.responses.retrieve, other.responses.input_items.list,
+                     other.responses.delete):
+            with pytest.raises(NotFoundError):
+                call(response_id)
+        with pytest.raises(NotFoundError):
+            other.responses.create(model=TINY, input="And?", max_output_tokens=2,
+                                   previous_response_id=response_id)
+        assert owner.responses.retrieve(response_id).id == response_id
+    assert owner.responses.create(model=TINY, input="And?", max_output_tokens=2,
+                                  previous_response_id=made.id).previous_response_id == made.id
 
 
 async def test_lmtp_takes_the_key_in_the_url_lmql_can_carry(faults_url):

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.keys import ApiKey
 from gateway.registry import ModelRegistry
 from protocols.internal import ToolCall
 from protocols.responses.store import MemoryStore, ResponseCache, StoredResponse, encode
@@ -141,6 +142,41 @@ async def test_a_cut_off_call_is_left_out_and_old_calls_need_not_match_the_new_t
         model="fake-model", previous_response_id=done.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert answered.output_text == "Fine."
+
+
+def _clients(app, *keys: str) -> list[openai.AsyncOpenAI]:
+    return [openai.AsyncOpenAI(
+        base_url="http://gw/v1", api_key=key, max_retries=0,
+        http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                      base_url="http://gw/v1")) for key in keys]
+
+
+async def test_a_stored_response_is_seen_by_the_key_that_made_it_only():
+    engine = FakeEngine(reply="Hello")
+    config = GatewayConfig(api_keys=[ApiKey(key="alice-key"), ApiKey(key="bob-key")])
+    store = MemoryStore(config.stored_responses_bytes)
+    alice, bob, alice_again = _clients(create_app(ModelRegistry({"fake-model": engine}), config,
+                                                  response_store=store),
+                                       "alice-key", "bob-key", "alice-key")
+    made = await alice.responses.create(model="fake-model", input="my secret")
+    streamed = await alice.responses.create(model="fake-model", input="more", stream=True)
+    ids = [made.id, [e async for e in streamed][-1].response.id]
+    for response_id in ids:
+        # Another key finds nothing, as with an id never made: 404, in OpenAI's shape.
+        for refused in (bob.responses.retrieve(response_id),
+                        bob.responses.input_items.list(response_id),
+                        bob.responses.delete(response_id),
+                        bob.responses.create(model="fake-model", input="What did they say?",
+                                             previous_response_id=response_id)):
+            with pytest.raises(openai.NotFoundError):
+                await refused
+        assert (await alice_again.responses.retrieve(response_id)).id == response_id
+    # Bob's failed attempts sent nothing to the engine and deleted nothing.
+    assert len(engine.requests) == 2 and len(store.cache) == 2
+    # No store holds a key: what it keeps names its owner by a digest.
+    assert all(b"alice-key" not in raw for raw in store.cache._entries.values())
+    assert (await alice.responses.create(model="fake-model", input="go on",
+                                         previous_response_id=made.id)).output_text == "Hello"
 
 
 class _Failing:
