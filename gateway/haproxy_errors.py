@@ -166,9 +166,10 @@ def _request_id_rules() -> list[str]:
             f"http-request set-var({REQUEST_ID_VAR}) req.hdr(x-request-id)"]
 
 
-def _response_rules(tables: str) -> list[str]:
+def _response_rules(tables: str, shapes: ErrorShapes) -> list[str]:
     """For the public frontend: the owner's media type and the client's status on HAProxy's
-    own answers (``http-error`` fixes both per code, not per path), then the mark removed."""
+    own answers (``http-error`` fixes both per code, not per path; a protocol may answer a
+    503 with a status of its own, Anthropic's 529), then the mark removed."""
     own = f"{{ res.hdr({OWN_MARK}) -m found }}"
     rules = [f'http-after-response set-header Content-Type '
              f'"{_mapped(tables, "content-type")}" if {own}']
@@ -176,6 +177,12 @@ def _response_rules(tables: str) -> list[str]:
         if error.status != error.raised:
             rules.append(f"http-after-response set-status {error.status} if "
                          f"{{ status {error.raised} }} {own}")
+    for spec in shapes.owners:
+        assert spec.route_error is not None  # owners all have one
+        status = spec.route_error(503, "").status_code
+        if status != 503:
+            rules.append(f"http-after-response set-status {status} if {{ status 503 }} "
+                         f"{{ var({PROTOCOL_VAR}) -m str {spec.name} }} {own}")
     rules.append(f"http-after-response del-header {OWN_MARK}")
     # Serve's request-id middleware runs twice on the way out of a replica's own HTTP server
     # (measured: two equal `x-request-id` headers); a client reads one id.
@@ -244,7 +251,7 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
             added = [*_request_id_rules(), *owner_rules(prefixes, shapes),
                      *model_rules(prefixes, shapes,
                                   positive_int_from_env(BODY_WAIT_VAR, DEFAULT_BODY_WAIT_S)),
-                     *_response_rules(tables)]
+                     *_response_rules(tables, shapes)]
             routing = [i for i, line in enumerate(section) if line.split()[:1] == ["use_backend"]]
             cut = routing[0] if routing else len(section)  # the bounds use Serve's path ACLs
             section = [*section[:at], *(indent + r for r in added), *section[at:cut],

@@ -164,7 +164,7 @@ class MeteredEngine(EngineWrapper):
             return
         if not bucket.available():
             refused_for("rate_limit")
-            yield ErrorEvent(kind="overloaded", message=(
+            yield ErrorEvent(kind="rate_limited", message=(
                 f"token rate limit of {state.policy.tokens_per_min:g} tokens/min exceeded for "
                 f"this key; retry in {bucket.wait_s()} s"))
             return

@@ -100,8 +100,8 @@ class Admission:
     at once (probes exempt); the excess gets a 503 in the protocol's shape at once, or a
     websocket close with 1013 ("try again later").
 
-    It also adds ``Retry-After`` to every 429/503 that lacks one, whoever produced it (this
-    limit, a full engine queue, a model without a healthy replica).
+    It also adds ``Retry-After`` to every 429/503 (and Anthropic's 529) that lacks one, whoever
+    produced it (this limit, a full engine queue, a model without a healthy replica).
     """
 
     def __init__(self, app, max_inflight: int, refuse, exempt: frozenset[str],
@@ -135,7 +135,7 @@ class Admission:
 
     def _with_retry_after(self, send):
         async def wrapped(message):
-            if message["type"] == "http.response.start" and message["status"] in (429, 503):
+            if message["type"] == "http.response.start" and message["status"] in (429, 503, 529):
                 headers = list(message.get("headers", []))
                 if not any(k.lower() == b"retry-after" for k, _ in headers):
                     headers.append((b"retry-after", self.retry_after))

@@ -52,7 +52,7 @@ _CLIENT_ID = re.compile(CLIENT_ID_PATTERN)
 # Why a response was refused, by status, when nothing named a reason.
 _REASONS = {400: "validation", 401: "unauthorized", 403: "unauthorized", 404: "not_found",
             405: "method_not_allowed", 413: "too_large", 422: "validation", 429: "overloaded",
-            503: "unavailable", 504: "timeout"}
+            503: "unavailable", 504: "timeout", 529: "overloaded"}
 
 
 class GatewayMetrics:

@@ -11,7 +11,7 @@ from protocols.internal import ErrorEvent
 
 __all__ = ["SHAPED_HEADER", "APIError", "from_event", "route_error"]
 
-_STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": 429,
+_STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": 429, "rate_limited": 429,
                    "unavailable": 503, "engine": 500}
 
 

@@ -13,8 +13,11 @@ __all__ = ["AnthropicError", "error_body", "from_event", "route_error"]
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
           500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
-_STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": 429,
-                   "unavailable": 503, "engine": 500}
+# Anthropic's 429 is the caller's own rate limit; a service too busy for anyone is its 529
+# (the SDK's OverloadedError), which it answers where other APIs say 503.
+OVERLOADED = 529
+_STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": OVERLOADED,
+                   "rate_limited": 429, "unavailable": OVERLOADED, "engine": 500}
 
 
 class AnthropicError(ProtocolError):
@@ -33,8 +36,9 @@ def error_body(status: int, message: str) -> dict:
 
 
 def route_error(status: int, message: str) -> JSONResponse:
-    """An HTTP-level error (no route, wrong method, body too large, ...) on a Messages path."""
-    return AnthropicError(status, message).response()
+    """An HTTP-level error (no route, wrong method, body too large, the gateway at capacity,
+    ...) on a Messages path; a 503 is Anthropic's 529."""
+    return AnthropicError(OVERLOADED if status == 503 else status, message).response()
 
 
 def from_event(event: ErrorEvent) -> AnthropicError:

@@ -19,9 +19,10 @@ __all__ = ["LMIError", "dynamic_error", "frontend_error", "generation_error", "p
            "route_error"]
 
 # Engine refusals of a parameter are the client's fault (DJL answers 400); a replica that is
-# full is 503 as the DJL front end says; anything else failed inside the handler (424).
-_LMI_STATUS = {"validation": 400, "not_found": 404, "overloaded": 503, "unavailable": 503,
-               "engine": 424}
+# full is 503 as the DJL front end says, a key over its token budget 429 (as over its request
+# rate); anything else failed inside the handler (424).
+_LMI_STATUS = {"validation": 400, "not_found": 404, "overloaded": 503, "rate_limited": 429,
+               "unavailable": 503, "engine": 424}
 # Route-level errors: DJL's exception names for the statuses it has them for.
 _ROUTE_ERROR_TYPES = {404: "ResourceNotFoundException", 405: "MethodNotAllowedException"}
 

@@ -13,10 +13,12 @@ VALIDATION = "Input Validation Error"
 NOT_FOUND = "NotFoundError"
 _OF_KIND = {"validation": (422, VALIDATION), "not_found": (404, NOT_FOUND),
             "overloaded": (503, "Service Unavailable"),
+            "rate_limited": (429, "Too Many Requests"),
             "unavailable": (503, "Service Unavailable"), "engine": (424, "Generation Error")}
 # Route-level errors (no route, wrong method, body too large, unexpected failure): other 4xx
 # read as validation, other 5xx as a failed generation.
-_OF_ROUTE_STATUS = {404: NOT_FOUND, 405: "MethodNotAllowed", 503: "Service Unavailable"}
+_OF_ROUTE_STATUS = {404: NOT_FOUND, 405: "MethodNotAllowed", 429: "Too Many Requests",
+                    503: "Service Unavailable"}
 
 
 def invalid(message: str) -> EnvelopeError:

@@ -13,7 +13,7 @@ __all__ = ["OpenAIError", "error_body", "error_response", "from_event", "route_e
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-_STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": 429,
+_STATUS_OF_KIND = {"validation": 400, "not_found": 404, "overloaded": 429, "rate_limited": 429,
                    "unavailable": 503, "engine": 500}
 
 

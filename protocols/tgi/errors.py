@@ -10,7 +10,7 @@ from protocols.internal import ErrorEvent
 __all__ = ["from_event", "invalid", "route_error"]
 
 _OF_KIND = {"validation": (422, "validation"), "not_found": (404, "not_found"),
-            "overloaded": (429, "overloaded"),
+            "overloaded": (429, "overloaded"), "rate_limited": (429, "overloaded"),
             "unavailable": (503, "unavailable"), "engine": (424, "generation")}
 
 

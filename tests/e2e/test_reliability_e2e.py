@@ -216,6 +216,27 @@ async def test_overload_is_refused_in_shape_and_the_admitted_requests_finish(fau
         await _until_idle(c)
 
 
+async def test_anthropics_sdk_gets_its_529_when_the_engine_queue_is_full(faults_url):
+    """The engine queue full, Anthropic's way: 529 ``overloaded_error`` (the SDK's
+    OverloadedError, which it would retry) with Retry-After, never its 429 (that is the
+    caller's own rate limit); the admitted messages finish."""
+    import anthropic
+
+    client = anthropic.AsyncAnthropic(base_url=faults_url, api_key=KEY, max_retries=0,
+                                      timeout=120)
+    results = await asyncio.gather(*(client.messages.create(
+        model=TINY, max_tokens=48, messages=[{"role": "user", "content": "Hi"}])
+        for _ in range(4 * (ONGOING + QUEUED))), return_exceptions=True)
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert refused and all(isinstance(r, anthropic.OverloadedError) for r in refused), refused
+    for error in refused:
+        assert error.status_code == 529 and error.response.headers["retry-after"] == "1"
+        assert error.body["error"]["type"] == "overloaded_error"
+    assert len(results) - len(refused) >= 2 * ONGOING
+    async with httpx.AsyncClient(base_url=faults_url, headers=AUTH, timeout=60) as c:
+        await _until_idle(c)
+
+
 async def _until_idle(c: httpx.AsyncClient, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while (await c.get("/gateway/engines")).json()[TINY]["active"]:

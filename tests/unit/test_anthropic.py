@@ -4,6 +4,8 @@ errors in Anthropic's shape, auth by ``x-api-key``."""
 
 from __future__ import annotations
 
+import asyncio
+
 import anthropic
 import httpx
 import httpx2
@@ -11,8 +13,9 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.keys import ApiKey
 from gateway.registry import ModelRegistry
-from protocols.internal import ChatPrompt, ToolCall
+from protocols.internal import ChatPrompt, ErrorEvent, ToolCall
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"name": "get_weather", "description": "Weather now", "input_schema": {
@@ -221,3 +224,46 @@ async def test_x_api_key_authenticates_and_a_wrong_key_is_anthropics_401():
         await bad.messages.create(model="fake-model", max_tokens=5, messages=ASK)
     assert info.value.body["type"] == "error"
     assert info.value.body["error"]["type"] == "authentication_error"
+
+
+class _Busy(FakeEngine):
+    """An engine whose queue is full: every request is refused as ``overloaded``."""
+
+    async def generate(self, request):
+        self.requests.append(request)
+        yield ErrorEvent(kind="overloaded", message="the engine's queue is full; retry later")
+
+
+async def test_a_busy_service_is_anthropics_529_and_a_keys_own_limit_its_429():
+    """Anthropic's 429 is the caller's rate limit, its 529 (the SDK's OverloadedError) a
+    service too busy for anyone; both with Retry-After."""
+    app = create_app(ModelRegistry({"fake-model": _Busy()}), GatewayConfig())
+    client = anthropic.AsyncAnthropic(base_url="http://gw", api_key="x", max_retries=0,
+                                      http_client=_sdk_http(app))
+    with pytest.raises(anthropic.OverloadedError) as whole:
+        await client.messages.create(model="fake-model", max_tokens=5, messages=ASK)
+    with pytest.raises(anthropic.OverloadedError) as streamed:
+        async with client.messages.stream(model="fake-model", max_tokens=5, messages=ASK) as s:
+            await s.get_final_message()
+    for info in (whole, streamed):
+        assert info.value.status_code == 529 and info.value.response.headers["retry-after"]
+        assert info.value.body["error"]["type"] == "overloaded_error"
+    app, _ = _app("Hello world", api_keys=[ApiKey(key="thrifty", tokens_per_min=5)])
+    client = anthropic.AsyncAnthropic(base_url="http://gw", api_key="thrifty", max_retries=0,
+                                      http_client=_sdk_http(app))
+    await client.messages.create(model="fake-model", max_tokens=5, messages=ASK)  # spends 5+
+    with pytest.raises(anthropic.RateLimitError) as limited:
+        await client.messages.create(model="fake-model", max_tokens=5, messages=ASK)
+    assert limited.value.body["error"]["type"] == "rate_limit_error"
+    assert limited.value.response.headers["retry-after"]
+
+
+async def test_the_gateway_at_capacity_is_anthropics_529():
+    app = create_app(ModelRegistry({"fake-model": FakeEngine(delay=0.05)}),
+                     GatewayConfig(max_concurrent_requests=1))
+    body = {"model": "fake-model", "max_tokens": 4, "messages": ASK}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        answers = await asyncio.gather(*(c.post("/v1/messages", json=body) for _ in range(2)))
+    [refused] = [a for a in answers if a.status_code != 200]
+    assert refused.status_code == 529 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "overloaded_error"

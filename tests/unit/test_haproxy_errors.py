@@ -171,8 +171,9 @@ def _expected(path: str, status: int, message: str) -> tuple[int, str, bytes]:
 @pytest.mark.parametrize("path", ["/gw/v1/completions", "/gw/v1/chat/completions", "/gw/generate",
                                   "/gw/generate_stream", "/gw/v2/models/m/generate_stream",
                                   "/gw/invocations", "/gw/v1/run", "/gw/v1/controllers",
-                                  "/gw/tokenize", "/gw/anything"])
+                                  "/gw/tokenize", "/gw/anything", "/gw/v1/messages"])
 def test_no_replica_is_a_503_in_the_paths_shape_with_retry_after(haproxy, path):
+    # Anthropic's paths get its 529 (overloaded_error) instead.
     got = httpx.post(haproxy + path, json={"inputs": "x"}, timeout=30)
     assert (got.status_code, got.headers["content-type"], got.content) == _expected(
         path, 503, RESTARTING)
@@ -191,7 +192,8 @@ def test_haproxys_own_answers_carry_the_clients_request_id_or_a_new_one(haproxy)
     assert fresh[0] != fresh[1]
 
 
-@pytest.mark.parametrize("path", ["/dying/v1/completions", "/dying/generate", "/dying/v1/run"])
+@pytest.mark.parametrize("path", ["/dying/v1/completions", "/dying/generate", "/dying/v1/run",
+                                  "/dying/v1/messages"])
 def test_a_replica_that_dies_before_answering_is_a_503_in_shape(haproxy, path):
     got = httpx.post(haproxy + path, json={"prompt": "x"}, timeout=30)
     assert (got.status_code, got.headers["content-type"], got.content) == _expected(

@@ -305,7 +305,11 @@ async def test_a_key_over_its_token_budget_is_refused_until_it_refills():
         assert "token rate limit of 10 tokens/min" in r.json()["error"]["message"]
         r = await c.post("/v2/models/fake-model/generate", json={"text_input": "Hi"},
                          headers=_bearer("thrifty"))
-        assert r.status_code == 503 and "token rate limit" in r.json()["error"]  # MindIE's
+        # The caller's own limit is a 429 in every protocol (MindIE's and LMI's too).
+        assert r.status_code == 429 and "token rate limit" in r.json()["error"]  # MindIE's
+        assert r.json()["error_type"] == "Too Many Requests"
+        r = await c.post("/invocations", json={"inputs": "Hi"}, headers=_bearer("thrifty"))
+        assert r.status_code == 429 and "token rate limit" in r.json()["error"]  # LMI's
         assert (await c.post("/v1/completions", json=COMPLETION,
                              headers=_bearer("fast"))).status_code == 200
 
