@@ -7,6 +7,10 @@ Measures greedy decoding (``ignore_eos``) of the same prompt as tokens/s and per
 - ``pipeline-N``: the ``pipeline`` engine kind with N stage actors (plus the origin's first
   layer) on a local Ray, through ``EngineHost`` (no HTTP), at each concurrency;
 - ``vllm``: vLLM's ``AsyncLLM`` in this process, same dtype, at each concurrency;
+- with ``--compare-kernels``, every pipeline also with ``cpu_kernels: torch`` (``-torch``: torch's
+  plain linear layers instead of weights packed for oneDNN, the default on CPU), and
+  ``hf-packed``: the unsplit loop with the same packed weights, so the split's own cost is
+  read against the same kernels;
 - with ``--controllers none regex``, every pipeline and vLLM target also with each request
   under that controller (``+none``: the no-op controller, the controller path's own cost;
   ``+regex``: an llguidance regex of lowercase words), measured in the same rounds.
@@ -63,11 +67,15 @@ class HF:
     """The unsplit model in this process: a cached greedy loop (one sequence) and ``generate``
     over a batch."""
 
-    def __init__(self, path: str, dtype):
+    def __init__(self, path: str, dtype, packed: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from engines.pipeline.kernels import pack_linears
 
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        if packed:  # every projection and the LM head, as the pipeline packs them
+            pack_linears(self.model)
         self.ids = self.tok.encode(PROMPT)
 
     def single(self, tokens: int) -> tuple[float, list[float]]:
@@ -163,8 +171,14 @@ def run_all(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     hf = HF(path, dtype)
     ray.init(include_dashboard=False, log_to_driver=False)
-    pipes = {n: _pipeline(n, args.dtype, args.threads, json.loads(args.engine_args))
-             for n in args.stages}
+    extra = json.loads(args.engine_args)
+    pipes = {str(n): _pipeline(n, args.dtype, args.threads, extra) for n in args.stages}
+    hf_packed = None
+    if args.compare_kernels:
+        pipes.update({f"{n}-torch": _pipeline(n, args.dtype, args.threads,
+                                              {**extra, "cpu_kernels": "torch"})
+                      for n in args.stages})
+        hf_packed = HF(path, dtype, packed=True)
     vllm = None
     if not args.no_vllm:
         from engines.config import ModelConfig
@@ -174,7 +188,7 @@ def run_all(args) -> list[dict]:
         vllm = VLLMEngine(ModelConfig(name="m", source=path, engine_args={
             "dtype": args.dtype, "max_model_len": 2048}))
         pipes["vllm"] = (vllm, EngineHost(vllm))
-    runs: dict[str, list] = {"hf": [], "hf-batch": []}
+    runs: dict[str, list] = {"hf": [], "hf-batch": [], "hf-packed": []}
 
     async def rounds() -> None:
         for _, host in pipes.values():
@@ -186,6 +200,9 @@ def run_all(args) -> list[dict]:
         for _ in range(args.rounds):
             wall, steps = hf.single(t)
             runs["hf"].append((1, t, wall, steps))
+            if hf_packed is not None:
+                wall, steps = hf_packed.single(t)
+                runs["hf-packed"].append((1, t, wall, steps))
             for seqs in args.concurrency:
                 if seqs > 1:
                     runs["hf-batch"].append((seqs, seqs * t, hf.batch(t, seqs), []))
@@ -203,17 +220,20 @@ def run_all(args) -> list[dict]:
         if vllm is not None:
             vllm._llm.shutdown()
         ray.shutdown()
-    return [row for name, r in runs.items() for row in _merge(name, r)]
+    return [row for name, r in runs.items() if r for row in _merge(name, r)]
 
 
 def _ratios(rows: list[dict]) -> None:
     """Per row: per-token latency against the unsplit loop (one sequence), throughput against
     the same target's single sequence and against vLLM's at the same concurrency."""
-    hf = next(r for r in rows if r["target"] == "hf")
     by = {(r["target"], r["sequences"]): r for r in rows}
+    hf, packed = by[("hf", 1)], by.get(("hf-packed", 1))
     for row in rows:
         if row["per_token_ms_p50"] and row["sequences"] == 1:
             row["per_token_vs_hf"] = round(row["per_token_ms_p50"] / hf["per_token_ms_p50"], 3)
+            if packed:
+                row["per_token_vs_hf_packed"] = round(
+                    row["per_token_ms_p50"] / packed["per_token_ms_p50"], 3)
         single = by.get((row["target"], 1))
         if single and row["sequences"] > 1:
             row["throughput_vs_single"] = round(row["tokens_per_s"] / single["tokens_per_s"], 2)
@@ -232,6 +252,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the HF process, the origin and each stage")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--compare-kernels", action="store_true",
+                        help="also every pipeline with torch's plain linears, and hf-packed")
     parser.add_argument("--controllers", nargs="*", default=[], choices=sorted(CONTROLLERS),
                         help="also run each pipeline / vLLM target under these controllers")
     parser.add_argument("--engine-args", default="{}",
@@ -253,11 +275,12 @@ def main() -> None:
     out = ROOT / "bench" / "results" / "pipeline.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(json.dumps(meta))
-    print(f"{'target':<12} {'seqs':>4} {'tok/s':>8} {'ms/tok p50':>10} {'vs hf':>6} "
-          f"{'x single':>8} {'x vllm':>6}")
+    print(f"{'target':<18} {'seqs':>4} {'tok/s':>8} {'ms/tok p50':>10} {'vs hf':>6} "
+          f"{'vs hf-packed':>12} {'x single':>8} {'x vllm':>6}")
     for r in rows:
-        print(f"{r['target']:<12} {r['sequences']:>4} {r['tokens_per_s']:>8} "
+        print(f"{r['target']:<18} {r['sequences']:>4} {r['tokens_per_s']:>8} "
               f"{r['per_token_ms_p50'] or '-':>10} {r.get('per_token_vs_hf', '-'):>6} "
+              f"{r.get('per_token_vs_hf_packed', '-'):>12} "
               f"{r.get('throughput_vs_single', '-'):>8} {r.get('throughput_vs_vllm', '-'):>6}")
 
 

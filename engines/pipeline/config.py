@@ -40,7 +40,10 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     Ray in host memory and stay on the device in-process.
     ``placement_strategy``: a placement group with one bundle per stage (``STRICT_SPREAD``: each
     stage on its own node);
-    ``stage_resources``: custom resources per stage (from the cluster config), instead."""
+    ``stage_resources``: custom resources per stage (from the cluster config), instead.
+    ``cpu_kernels``: on CPU, ``packed`` reorders every linear weight once at load for oneDNN
+    (faster small-batch matmuls; a head tied to the embedding then costs one more copy of it),
+    ``torch`` keeps torch's plain layers (docs/protocols/pipeline.md, "CPU kernels")."""
 
     stages: list[tuple[int, int]] | None = None
     num_stages: int = 2
@@ -64,6 +67,7 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     digest: bool = False
     cache_ttl_s: float = 600.0
     step_timeout_s: float = 60.0  # per micro-batch in flight; a hung stage is respawned
+    cpu_kernels: Literal["packed", "torch"] = "packed"
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "prefill_chunk", "max_batch_tokens", "max_sequences"):

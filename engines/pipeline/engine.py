@@ -59,6 +59,7 @@ class PipelineEngine:
         import torch
         from transformers import AutoTokenizer
 
+        from engines.pipeline.kernels import packs
         from engines.pipeline.loading import load_config, load_origin, text_config
 
         self.config = config
@@ -72,9 +73,11 @@ class PipelineEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         parts = load_origin(self.model_path, self.args.origin_layers, self.dtype,
                             self.args.attn_implementation, hf_config).to(self.args.device)
+        if packs(self.args.cpu_kernels, self.args.device, self.dtype):
+            parts.pack()
         self.stages = stages or RayStages(self.model_path, self.ranges, self.args,
                                           label=f"{config.name}")
-        vocab_size = parts.head_weight.shape[0]
+        vocab_size = parts.vocab_size
         self._controllers, self._hook = self._start_controllers(vocab_size)
         self.origin = Origin(parts, self.args.origin_layers, self.stages,
                              prefill_chunk=self.args.prefill_chunk,

@@ -148,11 +148,27 @@ class OriginParts:
         self.norm = norm
         self.head_weight = head_weight
         self.layers = layers
+        self.head = None  # a PackedLinear of the head's weight, once packed
+        self.vocab_size = int(head_weight.shape[0])
+
+    def pack(self) -> OriginParts:
+        """The head's and the own layers' weights packed for oneDNN (``engines.pipeline.kernels``).
+        A head of its own is then only packed; one tied to the embedding keeps the embedding's
+        weight too (one more copy of it)."""
+        from engines.pipeline.kernels import PackedLinear, pack_linears
+
+        self.head = PackedLinear(self.head_weight)
+        if self.head_weight is not self.embed.weight:
+            self.head_weight = None
+        if self.layers is not None:
+            pack_linears(self.layers)
+        return self
 
     def to(self, device: str) -> OriginParts:
         self.embed.to(device)
         self.norm.to(device)
-        self.head_weight = self.head_weight.to(device)
+        if self.head_weight is not None:
+            self.head_weight = self.head_weight.to(device)
         if self.layers is not None:
             self.layers.to(device)
         return self
@@ -161,7 +177,10 @@ class OriginParts:
         """LM-head logits (float32) of hidden states that went through every layer."""
         import torch
 
-        return torch.nn.functional.linear(self.norm(hidden), self.head_weight).float()
+        normed = self.norm(hidden)
+        if self.head is not None:
+            return self.head(normed).float()
+        return torch.nn.functional.linear(normed, self.head_weight).float()
 
 
 def load_origin(model_dir: str | Path, origin_layers: int, dtype=None,

@@ -255,7 +255,8 @@ def stage_actor_class():
 
         def __init__(self, model_dir: str, start: int, end: int, dtype: str,
                      attn_implementation: str, threads: int | None, ttl_s: float,
-                     device: str = "cpu", metric_tags: dict[str, str] | None = None):
+                     device: str = "cpu", metric_tags: dict[str, str] | None = None,
+                     cpu_kernels: str = "torch"):
             from engines import placement
 
             # Computes: not moved off an engine's cores, and on every CPU again (a worker forked
@@ -263,11 +264,14 @@ def stage_actor_class():
             placement.claim()
             import torch
 
+            from engines.pipeline.kernels import pack_linears, packs
             from engines.pipeline.loading import load_layers
 
             if threads:
                 torch.set_num_threads(threads)
             model = load_layers(model_dir, start, end, getattr(torch, dtype), attn_implementation)
+            if packs(cpu_kernels, device, model.dtype):
+                pack_linears(model)
             self.core = StageCore(model.to(device), start, end, ttl_s, device,
                                   metric_tags=metric_tags)
 

@@ -134,7 +134,8 @@ class RayStages:
         return self._cls.options(**options).remote(
             self.model_dir, start, end, self.args.dtype, self.args.attn_implementation,
             self.args.stage_threads, self.args.cache_ttl_s, self.args.device,
-            metric_tags={"model": self.label, "stage": f"{i}:{start}-{end}"})
+            metric_tags={"model": self.label, "stage": f"{i}:{start}-{end}"},
+            cpu_kernels=self.args.cpu_kernels)
 
     def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
         ref: Any = hop

@@ -254,7 +254,7 @@ def test_the_device_option_smoke_on_cpu(tiny_dir):
                          engine_args={"stages": [[1, 6]], "device": "cpu"})
     cores = [StageCore(load_layers(tiny_dir, 1, 6), 1, 6, device="cpu")]
     engine = PipelineEngine(config, stages=LocalStages(cores))
-    assert engine.origin.device == "cpu" and engine.origin.parts.head_weight.device.type == "cpu"
+    assert engine.origin.device == "cpu" and engine.origin.parts.embed.weight.device.type == "cpu"
     events = asyncio.run(_events(engine, _req("dev", max_tokens=3)))
     assert [type(e).__name__ for e in events][-1] == "FinalEvent"
 
