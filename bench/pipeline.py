@@ -41,6 +41,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -159,6 +160,27 @@ def _merge(name: str, runs: list[tuple[int, int, float, list[float]]]) -> list[d
     return rows
 
 
+def _targets(args, path: str) -> tuple[dict[str, Any], Any]:
+    """The engines measured (name -> (engine, host)): each pipeline (and, with
+    ``--compare-kernels``, each on torch's layers), then vLLM unless ``--no-vllm``."""
+    extra = json.loads(args.engine_args)
+    pipes = {str(n): _pipeline(n, args.dtype, args.threads, extra) for n in args.stages}
+    if args.compare_kernels:
+        pipes.update({f"{n}-torch": _pipeline(n, args.dtype, args.threads,
+                                              {**extra, "cpu_kernels": "torch"})
+                      for n in args.stages})
+    if args.no_vllm:
+        return pipes, None
+    from engines.config import ModelConfig
+    from engines.host import EngineHost
+    from engines.vllm.engine import VLLMEngine
+
+    vllm = VLLMEngine(ModelConfig(name="m", source=path, engine_args={
+        "dtype": args.dtype, "max_model_len": 2048}))
+    pipes["vllm"] = (vllm, EngineHost(vllm))
+    return pipes, vllm
+
+
 def run_all(args) -> list[dict]:
     """Round-robin over every target, ``args.rounds`` times (a noisy shared host drifts; what
     is compared was measured side by side), then medians."""
@@ -170,24 +192,9 @@ def run_all(args) -> list[dict]:
     path = str(prepare_embedded_model())
     dtype = getattr(torch, args.dtype)
     hf = HF(path, dtype)
+    hf_packed = HF(path, dtype, packed=True) if args.compare_kernels else None
     ray.init(include_dashboard=False, log_to_driver=False)
-    extra = json.loads(args.engine_args)
-    pipes = {str(n): _pipeline(n, args.dtype, args.threads, extra) for n in args.stages}
-    hf_packed = None
-    if args.compare_kernels:
-        pipes.update({f"{n}-torch": _pipeline(n, args.dtype, args.threads,
-                                              {**extra, "cpu_kernels": "torch"})
-                      for n in args.stages})
-        hf_packed = HF(path, dtype, packed=True)
-    vllm = None
-    if not args.no_vllm:
-        from engines.config import ModelConfig
-        from engines.host import EngineHost
-        from engines.vllm.engine import VLLMEngine
-
-        vllm = VLLMEngine(ModelConfig(name="m", source=path, engine_args={
-            "dtype": args.dtype, "max_model_len": 2048}))
-        pipes["vllm"] = (vllm, EngineHost(vllm))
+    pipes, vllm = _targets(args, path)
     runs: dict[str, list] = {"hf": [], "hf-batch": [], "hf-packed": []}
 
     async def rounds() -> None:
@@ -195,7 +202,9 @@ def run_all(args) -> list[dict]:
             await _drive(host, 8, 1, "warm")
             for controller in args.controllers:
                 await _drive(host, 8, 1, "warm", controller)
-        hf.single(8)
+        for warm in (hf, hf_packed):
+            if warm is not None:
+                warm.single(8)
         t = args.tokens
         for _ in range(args.rounds):
             wall, steps = hf.single(t)

@@ -23,8 +23,9 @@ from protocols.responses.store import ResponseCache, StoredResponse, decode, enc
 
 __all__ = ["ACTOR_NAME", "RayResponseStore"]
 
-# The stored layout's version is in the name: a gateway that stores another one starts its own.
-ACTOR_NAME = "llm-gateway-responses-v1"
+# The stored layout's version is in the name: a gateway that stores another one starts its own
+# (v2: each response names its owner; a v1 replica would drop that and show it to every key).
+ACTOR_NAME = "llm-gateway-responses-v2"
 _NAMESPACE = "llm-gateway"
 
 

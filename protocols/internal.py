@@ -151,12 +151,9 @@ class GenerateRequest(_Frozen, kw_only=True):
 # --- events -------------------------------------------------------------------------------
 
 FinishReason = Literal["eos", "stop_sequence", "length", "abort", "error"]
-# overloaded: the service is full (an engine's queue or budget), retry later (429 where the
-# protocol has one, Anthropic's 529); rate_limited: the caller's own limit (its key's token
-# budget), 429 everywhere; unavailable: no healthy engine replica right now (503, Anthropic's
-# 529); engine: the engine failed the request.
-ErrorKind = Literal["validation", "not_found", "overloaded", "rate_limited", "unavailable",
-                    "engine"]
+# overloaded: the service is full, retry later; rate_limited: the caller's own limit (its key's
+# token budget); unavailable: no healthy engine replica now; engine: the engine failed it.
+ErrorKind = Literal["validation", "not_found", "overloaded", "rate_limited", "unavailable", "engine"]
 
 
 class TopLogprob(_Frozen, kw_only=True):

@@ -23,6 +23,7 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "PipelineArgs", "check_engine_args", "check_
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+CpuKernels = Literal["packed", "torch"]  # engines/pipeline/kernels.py
 
 
 class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -67,7 +68,7 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     digest: bool = False
     cache_ttl_s: float = 600.0
     step_timeout_s: float = 60.0  # per micro-batch in flight; a hung stage is respawned
-    cpu_kernels: Literal["packed", "torch"] = "packed"
+    cpu_kernels: CpuKernels = "packed"
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "prefill_chunk", "max_batch_tokens", "max_sequences"):

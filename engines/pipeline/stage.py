@@ -256,7 +256,7 @@ def stage_actor_class():
         def __init__(self, model_dir: str, start: int, end: int, dtype: str,
                      attn_implementation: str, threads: int | None, ttl_s: float,
                      device: str = "cpu", metric_tags: dict[str, str] | None = None,
-                     cpu_kernels: str = "torch"):
+                     cpu_kernels: str = "packed"):
             from engines import placement
 
             # Computes: not moved off an engine's cores, and on every CPU again (a worker forked

@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 from protocols.errors import ProtocolError
 from protocols.internal import ErrorEvent
 
-__all__ = ["AnthropicError", "error_body", "from_event", "route_error"]
+__all__ = ["OVERLOADED", "AnthropicError", "error_body", "from_event", "route_error"]
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.pipeline import kernels
 from engines.pipeline.kernels import PackedLinear, pack_linears, packs
 from engines.pipeline.loading import load_layers, load_origin
 from tests.pipeline_models import build_tiny
@@ -73,9 +74,12 @@ def test_the_origin_packs_its_head_and_frees_a_head_of_its_own(kind, tmp_path):
     assert (parts.head_weight is parts.embed.weight) if tied else parts.head_weight is None
 
 
-def test_packing_is_for_cpu_in_a_native_dtype_and_only_when_asked():
+def test_packing_is_for_cpu_in_a_native_dtype_and_only_when_asked(monkeypatch):
     assert packs("packed", "cpu", torch.float32)
     assert not packs("torch", "cpu", torch.float32)
     assert not packs("packed", "cuda", torch.float32)
     assert not packs("packed", "cpu", torch.float16)
-    assert packs("packed", "cpu", torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packs("packed", "cpu", torch.bfloat16) == (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported() and kernels._native_bf16())
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # oneDNN switched off
+    assert not packs("packed", "cpu", torch.float32)
