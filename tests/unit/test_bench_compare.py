@@ -39,9 +39,12 @@ def test_the_protocol_bench_imports_and_starts_only_layouts_compare_knows():
 
 def test_the_controller_benches_import():
     # they reuse bench/pipeline.py's _cpu_flags; an import error would only show when measuring
-    from bench import controlled_throughput, controllers
+    from bench import controlled_throughput, controllers, pipeline_kernels
     assert controlled_throughput.REGEX["grammar"]["grammars"][0]["lark_grammar"]
     assert callable(controllers.measure)
+    # the kernels bench's point: every sequence's prompt has a length of its own
+    lengths = {len(pipeline_kernels.prompt(i).split()) for i in range(pipeline_kernels.SEQUENCES)}
+    assert len(lengths) == pipeline_kernels.SEQUENCES
 
 
 def test_the_stall_bench_uses_compare_s_helpers_that_exist():
