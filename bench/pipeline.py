@@ -282,6 +282,7 @@ def main() -> None:
             "threads": args.threads, "tokens": args.tokens, "torch": torch.__version__,
             "command": "python " + " ".join(sys.argv)}
     out = ROOT / "bench" / "results" / "pipeline.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # ignored by git: absent in a fresh checkout
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(json.dumps(meta))
     print(f"{'target':<18} {'seqs':>4} {'tok/s':>8} {'ms/tok p50':>10} {'vs hf':>6} "

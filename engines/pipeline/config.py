@@ -38,7 +38,7 @@ class PipelineArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     overloaded when ``max_sequences`` requests already wait. ``max_restarts``: stage failures
     survived per request. ``digest``: blake2b per hop, checked on receipt. ``device``: where the
     origin and the stages compute (``cuda`` stages need ``stage_num_gpus``); activations cross
-    Ray in host memory and stay on the device in-process.
+    the stage channel in host memory and stay on the device in-process.
     ``placement_strategy``: a placement group with one bundle per stage (``STRICT_SPREAD``: each
     stage on its own node);
     ``stage_resources``: custom resources per stage (from the cluster config), instead.

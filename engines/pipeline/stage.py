@@ -245,10 +245,13 @@ class StageCore:
 
 
 def stage_actor_class():
-    """The Ray actor class hosting one :class:`StageCore` (imported lazily: no Ray at import)."""
+    """The Ray actor class hosting one :class:`StageCore` (imported lazily: no Ray at import).
+    Hops reach it over the stage channel (``engines.pipeline.wire``), not as Ray calls; its Ray
+    methods (wiring, health, frees of a whole sweep) run on threads of their own, so they answer
+    while a hop computes."""
     import ray
 
-    @ray.remote(max_restarts=0, max_task_retries=0)
+    @ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)
     class StageActor:
         """Loads its layers in the constructor, so a respawn with the same arguments is the
         same stage."""
@@ -256,7 +259,7 @@ def stage_actor_class():
         def __init__(self, model_dir: str, start: int, end: int, dtype: str,
                      attn_implementation: str, threads: int | None, ttl_s: float,
                      device: str = "cpu", metric_tags: dict[str, str] | None = None,
-                     cpu_kernels: str = "packed"):
+                     cpu_kernels: str = "packed", secret: str = ""):
             from engines import placement
 
             # Computes: not moved off an engine's cores, and on every CPU again (a worker forked
@@ -266,6 +269,7 @@ def stage_actor_class():
 
             from engines.pipeline.kernels import pack_linears, packs
             from engines.pipeline.loading import load_layers
+            from engines.pipeline.wire import StageServer
 
             if threads:
                 torch.set_num_threads(threads)
@@ -274,9 +278,16 @@ def stage_actor_class():
                 pack_linears(model)
             self.core = StageCore(model.to(device), start, end, ttl_s, device,
                                   metric_tags=metric_tags)
+            self.server = StageServer(self.core, secret, ray.util.get_node_ip_address())
+            self._forever = threading.Event()
 
-        def forward(self, hop: Hop, check: bool = False) -> Hop:
-            return self.core.forward(hop, check)
+        def connect(self, address: str) -> None:
+            """Send what this stage computes to ``address`` (the next stage's, or the origin's)."""
+            self.server.connect(address)
+
+        def vigil(self) -> None:
+            """Never answers: the caller's reference fails the moment this process is gone."""
+            self._forever.wait()
 
         def free(self, seq_id: str) -> None:
             self.core.free(seq_id)
@@ -288,8 +299,10 @@ def stage_actor_class():
             return self.core.sweep(ttl_s)
 
         def where(self) -> dict[str, Any]:
-            """Node and layer range (placement tests, health)."""
+            """Node, layer range, the channel's address, and how long the hop running now has
+            run (placement tests, wiring, health)."""
             return {"node_id": ray.get_runtime_context().get_node_id(),
-                    "range": [self.core.start, self.core.end]}
+                    "range": [self.core.start, self.core.end], "address": self.server.address,
+                    "stuck_s": self.server.stuck_s()}
 
     return StageActor

@@ -1,19 +1,22 @@
 """The stage actors of one pipe, as the origin drives them: :class:`RayStages` (one Ray actor per
 layer range) and :class:`LocalStages` (in-process, for tests and a box without Ray).
 
-Activations go stage → stage by chaining Ray ObjectRefs: the origin submits every stage's call
-for a micro-batch at once and awaits only the last one, so nothing returns through the origin
-between stages, and several micro-batches in flight keep every stage busy.
+Between Ray actors, activations go stage → stage over the stage channel (``engines.pipeline.wire``):
+the origin sends a micro-batch to the first stage, each stage sends its output straight to the
+next, the last one back to the origin; several micro-batches in flight keep every stage busy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Awaitable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from engines.pipeline.stage import Hop, StageCore
+from engines.pipeline.wire import StageLost
 
 __all__ = ["LocalStages", "RayStages", "Resolved", "Stages"]
 
@@ -84,14 +87,31 @@ class LocalStages:
         return None
 
 
+class _Reply:
+    """Awaits a micro-batch's future from the stage channel; whatever ends the wait (its
+    result, a timeout, a cancellation), nobody waits for that step any more."""
+
+    def __init__(self, wire: Any, step: int, future: Future):
+        self.wire, self.step, self.future = wire, step, future
+
+    def __await__(self):
+        try:
+            return (yield from asyncio.wrap_future(self.future).__await__())
+        finally:
+            self.wire.forget(self.step)
+
+
 class RayStages:
-    """One Ray actor per layer range, placed by a placement group or custom resources."""
+    """One Ray actor per layer range, placed by a placement group or custom resources, chained
+    by the stage channel (``engines.pipeline.wire``): Ray places, checks and respawns them,
+    the hops go socket to socket."""
 
     def __init__(self, model_dir: str, ranges: list[tuple[int, int]], args: Any,
                  label: str = "pipeline"):
         import ray
 
         from engines.pipeline.stage import stage_actor_class
+        from engines.pipeline.wire import OriginWire
 
         self.model_dir, self.ranges, self.args = model_dir, ranges, args
         # One micro-batch per stage: the origin's work on one (sampling, the next embedding)
@@ -112,8 +132,16 @@ class RayStages:
             self._group = placement_group([dict(bundle) for _ in ranges],
                                           strategy=args.placement_strategy)
             ray.get(self._group.ready(), timeout=300)
+        self._secret = secrets.token_hex(16)
+        self.wire = OriginWire(self._secret, ray.util.get_node_ip_address())
+        self._lost: str | None = None  # why the pipe is broken until the next recovery
+        self._generations = [0] * len(ranges)
+        self._vigils: list[Any] = [None] * len(ranges)
         self.actors = [self._spawn(i) for i in range(len(ranges))]
-        ray.get([a.where.remote() for a in self.actors])  # weights loaded, or fail now
+        # Weights loaded, or fail now; then each stage sends to the next, the last to the origin.
+        self.addresses = [w["address"] for w in ray.get([a.where.remote() for a in self.actors])]
+        ray.get([self._link(i) for i in range(len(ranges))])
+        self.wire.connect(self.addresses[0])
         # One recovery at a time: concurrent sequences that saw the same death respawn once.
         self._recovering = asyncio.Lock()
 
@@ -131,52 +159,92 @@ class RayStages:
         # Named (unique per spawn) so operators and tests can find a stage in `ray list actors`.
         self._spawned += 1
         options["name"] = f"{self.label}:stage{i}:{start}-{end}:{id(self):x}.{self._spawned}"
-        return self._cls.options(**options).remote(
+        actor = self._cls.options(**options).remote(
             self.model_dir, start, end, self.args.dtype, self.args.attn_implementation,
             self.args.stage_threads, self.args.cache_ttl_s, self.args.device,
             metric_tags={"model": self.label, "stage": f"{i}:{start}-{end}"},
-            cpu_kernels=self.args.cpu_kernels)
+            cpu_kernels=self.args.cpu_kernels, secret=self._secret)
+        self._watch(i, actor)
+        return actor
+
+    def _watch(self, i: int, actor: Any) -> None:
+        """Fail what is in flight the moment stage ``i``'s process is gone (its vigil call
+        errs), rather than after the step timeout: nothing else would tell, its hops go by
+        socket."""
+        self._generations[i] += 1
+        generation = self._generations[i]
+
+        def gone(_future) -> None:
+            if self._generations[i] == generation:  # not a stage recover() replaced on purpose
+                self._lost = f"stage {i} {self.ranges[i]} is gone"
+                self.wire.fail_all(StageLost(self._lost))
+
+        self._vigils[i] = actor.vigil.remote()
+        self._vigils[i].future().add_done_callback(gone)
+
+    def _link(self, i: int):
+        """Stage ``i`` sends to the next stage, or (the last) to the origin."""
+        after = self.addresses[i + 1] if i + 1 < len(self.actors) else self.wire.address
+        return self.actors[i].connect.remote(after)
 
     def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
-        ref: Any = hop
-        for actor in self.actors:
-            ref = actor.forward.remote(ref, check)
-        return ref
+        if self._lost is not None:
+            return Resolved(error=StageLost(self._lost))
+        return _Reply(self.wire, hop.step, self.wire.submit(hop, check))
 
     def free(self, seq_id: str) -> None:
-        for actor in self.actors:
-            actor.free.remote(seq_id)  # fire and forget; a dead stage has nothing to free
+        self.wire.free(seq_id)  # behind the sequence's hops, through every stage in turn
 
     async def recover(self, patience: float = 60.0) -> None:
         async with self._recovering:
-            from ray.exceptions import RayActorError
-
-            for i, actor in enumerate(self.actors):
-                try:
-                    await asyncio.wait_for(actor.where.remote(), patience)
+            for i in range(len(self.actors)):
+                if await self._answers(i, patience):
                     continue
-                except (RayActorError, TimeoutError):
-                    pass
                 log.warning("stage %d %s is gone or hung; respawning it", i, self.ranges[i])
-                import ray
+                await self._respawn(i)
+            self._lost = None
 
-                ray.kill(actor, no_restart=True)
-                self.actors[i] = self._spawn(i)
-                await asyncio.wait_for(self.actors[i].where.remote(), _RESPAWN_S)
-
-    async def check(self, busy: bool = False) -> None:
-        """Every stage answers, or is respawned. A stage answers in order, after the steps
-        queued before (one call at a time), so while sequences are in flight (``busy``) a slow
-        answer is not a failure: a hung stage is caught by the step timeout instead."""
+    async def _answers(self, i: int, patience: float) -> bool:
+        """Stage ``i`` is alive and no hop has run there longer than ``patience``."""
         from ray.exceptions import RayActorError
 
         try:
-            await asyncio.gather(*(asyncio.wait_for(a.where.remote(), 30) for a in self.actors))
+            where = await asyncio.wait_for(self.actors[i].where.remote(), patience)
+        except (RayActorError, TimeoutError):
+            return False
+        return where["stuck_s"] <= patience
+
+    async def _respawn(self, i: int) -> None:
+        import ray
+
+        self._generations[i] += 1  # its vigil's end is ours, not a loss
+        ray.kill(self.actors[i], no_restart=True)
+        self.actors[i] = self._spawn(i)
+        where = await asyncio.wait_for(self.actors[i].where.remote(), _RESPAWN_S)
+        self.addresses[i] = where["address"]
+        await self._link(i)
+        if i == 0:
+            self.wire.connect(self.addresses[0])
+        else:
+            await self._link(i - 1)
+
+    async def check(self, busy: bool = False) -> None:
+        """Every stage answers, or is respawned; a hop that has run longer than the step
+        timeout is a hung stage (its Ray methods answer while it computes)."""
+        from ray.exceptions import RayActorError
+
+        try:
+            wheres = await asyncio.gather(*(asyncio.wait_for(a.where.remote(), 30)
+                                            for a in self.actors))
         except RayActorError:
-            await self.recover()
-        except TimeoutError:
+            await self.recover(self.args.step_timeout_s)
+        except TimeoutError:  # busy: its threads may be slow to answer; the step timeout rules
             if not busy:
                 raise
+        else:
+            if self._lost is not None or any(w["stuck_s"] > self.args.step_timeout_s
+                                             for w in wheres):
+                await self.recover(self.args.step_timeout_s)
         for actor in self.actors:  # the health check's period drives the orphan sweep
             actor.sweep.remote()
 
