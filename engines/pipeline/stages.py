@@ -23,6 +23,7 @@ __all__ = ["LocalStages", "RayStages", "Resolved", "Stages"]
 log = logging.getLogger(__name__)
 
 _RESPAWN_S = 600.0  # a respawned stage loads its weights; longer means it cannot be placed
+_ANSWER_S = 30.0  # a health check's wait for each stage's answer
 
 
 class Stages(Protocol):
@@ -234,7 +235,7 @@ class RayStages:
         from ray.exceptions import RayActorError
 
         try:
-            wheres = await asyncio.gather(*(asyncio.wait_for(a.where.remote(), 30)
+            wheres = await asyncio.gather(*(asyncio.wait_for(a.where.remote(), _ANSWER_S)
                                             for a in self.actors))
         except RayActorError:
             await self.recover(self.args.step_timeout_s)
