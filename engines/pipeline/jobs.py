@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Job", "PipelineFailure", "Sequence", "StageTimeout", "StepFn"]
+__all__ = ["Job", "PipelineFailure", "Sequence", "StageTimeout", "StepFn", "lost_on_the_way"]
 
 
 class StageTimeout(RuntimeError):
@@ -54,3 +54,12 @@ class Job:
     parked: bool = False  # its outbox is full: not waiting until the reader takes one
     closed: bool = False
     control: Any = None  # a controlled sequence's row, for the origin's ``before_steps``
+
+
+def lost_on_the_way(sent: set[str], returned: tuple[str, ...],
+                    dropped: dict[str, str]) -> dict[str, str]:
+    """The sequences of a micro-batch to restart (id → why): those a stage dropped, and any it
+    sent the micro-batch on without (never left waiting for a step that will not come)."""
+    missing = sent - set(returned) - set(dropped)
+    return {**dropped, **{seq_id: "a stage sent the micro-batch on without it"
+                          for seq_id in sorted(missing)}}

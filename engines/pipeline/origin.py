@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from engines.pipeline.jobs import Job, PipelineFailure, StageTimeout
+from engines.pipeline.jobs import Job, PipelineFailure, StageTimeout, lost_on_the_way
 from engines.pipeline.loading import OriginParts
 from engines.pipeline.stage import CacheMismatch, Hop, StageCore, digest
 from engines.pipeline.stages import Resolved, Stages
@@ -275,7 +275,8 @@ class Origin:
                         job.parked = True
                     else:
                         self._enqueue(job)
-            await self._restart_dropped(batch.members, hop.dropped)
+            await self._restart_dropped(batch.members, lost_on_the_way(
+                {m.job.seq.seq_id for m in batch.members}, hop.seq_ids, hop.dropped))
 
     async def _receive(self, batch: _Batch) -> Hop:
         # It may wait behind every other micro-batch in flight (a stage runs calls in order).

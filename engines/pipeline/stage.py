@@ -221,10 +221,15 @@ class StageCore:
                                  metrics.pipeline_stage_sequences), held, strict=True):
             gauge.set(value, tags=self.metric_tags)
 
-    def sweep(self, ttl_s: float | None = None) -> int:
-        """Drop caches idle longer than the TTL (orphans of a lost origin); how many went."""
-        with self._lock:
+    def sweep(self, ttl_s: float | None = None, wait: bool = True) -> int:
+        """Drop caches idle longer than the TTL (orphans of a lost origin); how many went. Not
+        ``wait``: none while a forward holds the caches (the next sweep, or the forward's own)."""
+        if not self._lock.acquire(blocking=wait):
+            return 0
+        try:
             return self._sweep(self.ttl_s if ttl_s is None else ttl_s)
+        finally:
+            self._lock.release()
 
     def _maybe_sweep(self) -> None:
         now = time.monotonic()
@@ -251,7 +256,10 @@ def stage_actor_class():
     while a hop computes."""
     import ray
 
-    @ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=4)
+    # Thread pools of their own: the vigil holds one for good, and a hop that hangs holding
+    # the caches' lock cannot take the threads `where` and `connect` answer on.
+    @ray.remote(max_restarts=0, max_task_retries=0,
+                concurrency_groups={"vigil": 1, "wiring": 2, "caches": 2})
     class StageActor:
         """Loads its layers in the constructor, so a respawn with the same arguments is the
         same stage."""
@@ -281,23 +289,25 @@ def stage_actor_class():
             self.server = StageServer(self.core, secret, ray.util.get_node_ip_address())
             self._forever = threading.Event()
 
+        @ray.method(concurrency_group="wiring")
         def connect(self, address: str) -> None:
             """Send what this stage computes to ``address`` (the next stage's, or the origin's)."""
             self.server.connect(address)
 
+        @ray.method(concurrency_group="vigil")
         def vigil(self) -> None:
             """Never answers: the caller's reference fails the moment this process is gone."""
             self._forever.wait()
 
-        def free(self, seq_id: str) -> None:
-            self.core.free(seq_id)
-
+        @ray.method(concurrency_group="caches")
         def cached(self) -> dict[str, int]:
             return self.core.cached()
 
+        @ray.method(concurrency_group="caches")
         def sweep(self, ttl_s: float | None = None) -> int:
-            return self.core.sweep(ttl_s)
+            return self.core.sweep(ttl_s, wait=False)
 
+        @ray.method(concurrency_group="wiring")
         def where(self) -> dict[str, Any]:
             """Node, layer range, the channel's address, and how long the hop running now has
             run (placement tests, wiring, health)."""

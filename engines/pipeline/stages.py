@@ -135,9 +135,9 @@ class RayStages:
             ray.get(self._group.ready(), timeout=300)
         self._secret = secrets.token_hex(16)
         self.wire = OriginWire(self._secret, ray.util.get_node_ip_address())
-        self._lost: str | None = None  # why the pipe is broken until the next recovery
         self._generations = [0] * len(ranges)
-        self._vigils: list[Any] = [None] * len(ranges)
+        self._vigils: list[Any] = [None] * len(ranges)  # (ObjectRef, its future) per stage
+        self._deaths = 0  # stage deaths seen (a recovery mends the pipe only if none came meanwhile)
         self.actors = [self._spawn(i) for i in range(len(ranges))]
         # Weights loaded, or fail now; then each stage sends to the next, the last to the origin.
         self.addresses = [w["address"] for w in ray.get([a.where.remote() for a in self.actors])]
@@ -165,23 +165,24 @@ class RayStages:
             self.args.stage_threads, self.args.cache_ttl_s, self.args.device,
             metric_tags={"model": self.label, "stage": f"{i}:{start}-{end}"},
             cpu_kernels=self.args.cpu_kernels, secret=self._secret)
+        self._generations[i] += 1
         self._watch(i, actor)
         return actor
 
     def _watch(self, i: int, actor: Any) -> None:
         """Fail what is in flight the moment stage ``i``'s process is gone (its vigil call
         errs), rather than after the step timeout: nothing else would tell, its hops go by
-        socket."""
-        self._generations[i] += 1
+        socket. A stage replaced on purpose (its generation moved on) is no loss."""
         generation = self._generations[i]
 
         def gone(_future) -> None:
-            if self._generations[i] == generation:  # not a stage recover() replaced on purpose
-                self._lost = f"stage {i} {self.ranges[i]} is gone"
-                self.wire.fail_all(StageLost(self._lost))
+            if self._generations[i] == generation:
+                self._deaths += 1
+                self.wire.fail_all(StageLost(f"stage {i} {self.ranges[i]} is gone"))
 
-        self._vigils[i] = actor.vigil.remote()
-        self._vigils[i].future().add_done_callback(gone)
+        ref = actor.vigil.remote()
+        self._vigils[i] = (ref, ref.future())
+        self._vigils[i][1].add_done_callback(gone)
 
     def _link(self, i: int):
         """Stage ``i`` sends to the next stage, or (the last) to the origin."""
@@ -189,43 +190,62 @@ class RayStages:
         return self.actors[i].connect.remote(after)
 
     def submit(self, hop: Hop, check: bool) -> Awaitable[Hop]:
-        if self._lost is not None:
-            return Resolved(error=StageLost(self._lost))
-        return _Reply(self.wire, hop.step, self.wire.submit(hop, check))
+        return _Reply(self.wire, hop.step, self.wire.submit(hop, check))  # fails if broken
 
     def free(self, seq_id: str) -> None:
         self.wire.free(seq_id)  # behind the sequence's hops, through every stage in turn
 
     async def recover(self, patience: float = 60.0) -> None:
+        """Respawn what is dead or hung, wire in what moved, and mend the pipe, again until no
+        stage died meanwhile."""
         async with self._recovering:
-            for i in range(len(self.actors)):
-                if await self._answers(i, patience):
-                    continue
-                log.warning("stage %d %s is gone or hung; respawning it", i, self.ranges[i])
-                await self._respawn(i)
-            self._lost = None
+            while True:
+                deaths = self._deaths
+                for i in range(len(self.actors)):
+                    await self._recover_one(i, patience)
+                if self._deaths == deaths:
+                    self.wire.mend()
+                    return
 
-    async def _answers(self, i: int, patience: float) -> bool:
-        """Stage ``i`` is alive and no hop has run there longer than ``patience``."""
+    async def _recover_one(self, i: int, patience: float) -> None:
+        where = await self._where(i, patience)
+        # A hop running past half the origin's patience is hung (one micro-batch takes well
+        # under a second); the origin gave up on it a little after the stage started it.
+        if where is None or where["stuck_s"] > patience / 2:
+            log.warning("stage %d %s is gone or hung; respawning it", i, self.ranges[i])
+            await self._respawn(i)
+            return
+        if where["address"] != self.addresses[i]:  # a respawn whose wiring did not finish
+            await self._rewire(i, where["address"])
+        if self._vigils[i][1].done():  # it answers: its vigil ended for a passing reason
+            self._watch(i, self.actors[i])
+
+    async def _where(self, i: int, patience: float) -> dict[str, Any] | None:
         from ray.exceptions import RayActorError
 
         try:
-            where = await asyncio.wait_for(self.actors[i].where.remote(), patience)
+            return await asyncio.wait_for(self.actors[i].where.remote(), patience)
         except (RayActorError, TimeoutError):
-            return False
-        return where["stuck_s"] <= patience
+            return None
 
     async def _respawn(self, i: int) -> None:
         import ray
 
         self._generations[i] += 1  # its vigil's end is ours, not a loss
+        # What is queued in it, or about to be sent, is lost with it: fail it now.
+        self.wire.fail_all(StageLost(f"stage {i} {self.ranges[i]} is being respawned"))
         ray.kill(self.actors[i], no_restart=True)
         self.actors[i] = self._spawn(i)
         where = await asyncio.wait_for(self.actors[i].where.remote(), _RESPAWN_S)
-        self.addresses[i] = where["address"]
+        await self._rewire(i, where["address"])
+
+    async def _rewire(self, i: int, address: str) -> None:
+        """Stage ``i`` is at ``address`` now: it sends to its successor, its predecessor (or
+        the origin) to it."""
+        self.addresses[i] = address
         await self._link(i)
         if i == 0:
-            self.wire.connect(self.addresses[0])
+            self.wire.connect(address)
         else:
             await self._link(i - 1)
 
@@ -243,8 +263,10 @@ class RayStages:
             if not busy:
                 raise
         else:
-            if self._lost is not None or any(w["stuck_s"] > self.args.step_timeout_s
-                                             for w in wheres):
+            if (self.wire.broken() is not None
+                    or any(w["stuck_s"] > self.args.step_timeout_s for w in wheres)
+                    or any(w["address"] != a for w, a in zip(wheres, self.addresses,
+                                                             strict=True))):
                 await self.recover(self.args.step_timeout_s)
         for actor in self.actors:  # the health check's period drives the orphan sweep
             actor.sweep.remote()

@@ -8,20 +8,22 @@ back, and a chained ObjectRef returns through its owner (the origin) between sta
 sequence paid ~15 ms a token over two stages on the 2-core box; sockets between the stages
 cost about half (docs/benchmarks.md, "Pipeline hops").
 
-A frame is ``[header]`` or, for a hop, ``[header, hidden bytes, positions bytes]``; the header is
-msgpack of one of the typed messages below and carries the pipe's secret (a frame without it
-is dropped and logged). Frames travel in order, so a :class:`Free` sent after a sequence's hop
-frees that sequence's cache only after the hop ran, at every stage in turn.
+A frame is ``[secret, header]`` or, for a hop, ``[secret, header, hidden bytes, positions
+bytes]``; the header is msgpack of one of the typed messages below. The pipe's secret comes
+first and is compared before anything is decoded: a frame without it is dropped and logged.
+Frames travel in order, so a :class:`Free` sent after a sequence's hop frees that sequence's
+cache only after the hop ran, at every stage in turn.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Literal
 
 import msgspec
@@ -32,19 +34,23 @@ __all__ = ["OriginWire", "StageFailed", "StageLost", "StageServer"]
 
 log = logging.getLogger(__name__)
 
+# The largest message part a stage or the origin takes in: a micro-batch of max_batch_tokens
+# activations of a large model is tens of MB; past this a sender is not one of the pipe's.
+MAX_PART_BYTES = 1 << 30
+
 
 class StageFailed(RuntimeError):
     """A stage's forward raised (its message names the error's type): restart path."""
 
 
 class StageLost(RuntimeError):
-    """A stage process is gone (its vigil ended): everything in flight through it is lost."""
+    """A stage process is gone (its vigil ended) or is being replaced: everything in flight
+    through it is lost."""
 
 
 class HopHeader(msgspec.Struct, tag="hop", frozen=True):
     """A :class:`Hop` without its tensors (the frames after the header)."""
 
-    secret: str
     step: int
     seq_ids: tuple[str, ...]
     lengths: tuple[int, ...]
@@ -58,14 +64,12 @@ class HopHeader(msgspec.Struct, tag="hop", frozen=True):
 class Free(msgspec.Struct, tag="free", frozen=True):
     """Drop ``seq_id``'s cache here and pass this on."""
 
-    secret: str
     seq_id: str
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):
     """Micro-batch ``step`` failed at a stage; the rest of the pipe passes this on."""
 
-    secret: str
     step: int
     kind: Literal["cache_mismatch", "error"]
     message: str
@@ -82,50 +86,77 @@ def hop_frames(hop: Hop, secret: str, check: bool) -> list[Any]:
     import torch
 
     hidden = hop.hidden.detach().cpu().contiguous()
-    header = HopHeader(secret, hop.step, hop.seq_ids, hop.lengths,
+    header = HopHeader(hop.step, hop.seq_ids, hop.lengths,
                        str(hidden.dtype).removeprefix("torch."), tuple(hidden.shape), check,
                        hop.digest, hop.dropped)
     positions = hop.positions.to(torch.int64).contiguous()
-    return [_encode(header), hidden.view(torch.uint8).numpy(), positions.numpy()]
+    return [secret.encode(), _encode(header), hidden.view(torch.uint8).numpy(),
+            positions.numpy()]
+
+
+def message_frames(message: Free | Failed, secret: str) -> list[bytes]:
+    return [secret.encode(), _encode(message)]
 
 
 def _tensor(buffer: bytes, dtype: Any, shape: tuple[int, ...]):
     import torch
 
+    count = math.prod(shape)
+    if len(buffer) != count * dtype.itemsize:
+        raise ValueError(f"{len(buffer)} bytes for {count} {dtype} values")
+    if count == 0:  # every sequence dropped on the way: frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(bytearray(buffer), dtype=torch.uint8)  # writable: torch asks for it
     return raw.view(dtype).reshape(shape)
 
 
-def read_frames(frames: list[bytes], secret: str) -> tuple[Message, Hop | None] | None:
-    """The message in ``frames`` (and, for a hop, the Hop); None when they are not this pipe's."""
+def _checked(header: HopHeader, frames: list[bytes]) -> Hop:
+    """The hop ``header`` describes, its sizes held to each other (ValueError otherwise)."""
     import torch
 
-    try:
-        message = _decode(frames[0])
-    except (msgspec.DecodeError, IndexError):
-        log.warning("dropped a frame that is not a stage message")
-        return None
-    if not hmac.compare_digest(message.secret.encode(), secret.encode()):
+    tokens = sum(header.lengths)
+    if (len(frames) != 4 or header.dtype not in _DTYPES or len(header.shape) != 3
+            or header.shape[:2] != (1, tokens) or len(header.seq_ids) != len(header.lengths)
+            or min(header.lengths, default=1) < 1):
+        raise ValueError(f"{len(frames)} frames, dtype {header.dtype!r}, shape {header.shape} "
+                         f"for {tokens} tokens of {len(header.seq_ids)} sequences")
+    hidden = _tensor(frames[2], getattr(torch, header.dtype), header.shape)
+    positions = _tensor(frames[3], torch.int64, (tokens,))
+    return Hop(hidden, positions, header.seq_ids, header.lengths, header.step, header.digest,
+               dict(header.dropped))
+
+
+def read_frames(frames: list[bytes], secret: str) -> tuple[Message, Hop | None] | None:
+    """The message in ``frames`` (and, for a hop, the Hop); None when they are not this pipe's
+    or do not make a whole message."""
+    if len(frames) < 2 or not hmac.compare_digest(bytes(frames[0]), secret.encode()):
         log.warning("dropped a frame without this pipe's secret")
         return None
-    if not isinstance(message, HopHeader):
-        return message, None
     try:
-        if len(frames) != 3 or message.dtype not in _DTYPES:
-            raise ValueError(f"{len(frames)} frames, dtype {message.dtype!r}")
-        hidden = _tensor(frames[1], getattr(torch, message.dtype), message.shape)
-        positions = _tensor(frames[2], torch.int64, (-1,))
-    except (ValueError, RuntimeError) as exc:  # sizes that do not fit the shape, too
-        log.warning("dropped a malformed hop: %s", exc)
+        message = _decode(frames[1])
+        return message, _checked(message, frames) if isinstance(message, HopHeader) else None
+    except (msgspec.DecodeError, ValueError, RuntimeError) as exc:
+        log.warning("dropped a malformed stage message: %s", exc)
         return None
-    return message, Hop(hidden, positions, message.seq_ids, message.lengths, message.step,
-                        message.digest, dict(message.dropped))
 
 
 def _context():
     import zmq
 
     return zmq.Context.instance()
+
+
+def _endpoint(host: str, port: int | str) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _socket(kind: int, ipv6: bool) -> Any:
+    import zmq
+
+    socket = _context().socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IPV6, int(ipv6))
+    return socket
 
 
 class _Sender:
@@ -153,12 +184,9 @@ class _Sender:
             return False
         if wanted != self._address:
             self.close()
-            self._socket = _context().socket(zmq.PUSH)
-            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket = _socket(zmq.PUSH, ipv6=wanted.startswith("tcp://["))
             self._socket.connect(wanted)
             self._address = wanted
-        if self._socket is None:
-            return False
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:  # the peer's queue is full or it never came up: the origin retries
@@ -174,10 +202,10 @@ class _Sender:
 def _bind(host: str) -> tuple[Any, str]:
     import zmq
 
-    socket = _context().socket(zmq.PULL)
-    socket.setsockopt(zmq.LINGER, 0)
-    port = socket.bind_to_random_port(f"tcp://{host}")
-    return socket, f"tcp://{host}:{port}"
+    socket = _socket(zmq.PULL, ipv6=":" in host)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_PART_BYTES)
+    port = socket.bind_to_random_port(_endpoint(host, "").removesuffix(":"))
+    return socket, _endpoint(host, port)
 
 
 def _serve_forever(name: str, receive: Callable[[], None]) -> threading.Thread:
@@ -238,11 +266,11 @@ class StageServer:
         try:
             return hop_frames(self.core.forward(hop, check), self.secret, check)
         except CacheMismatch as exc:
-            return [_encode(Failed(self.secret, hop.step, "cache_mismatch", str(exc)))]
+            return message_frames(Failed(hop.step, "cache_mismatch", str(exc)), self.secret)
         except Exception as exc:
             log.exception("stage %d-%d failed on micro-batch %d", self.core.start,
                           self.core.end, hop.step)
-            return [_encode(Failed(self.secret, hop.step, "error", type(exc).__name__))]
+            return message_frames(Failed(hop.step, "error", type(exc).__name__), self.secret)
         finally:
             self.busy_since = None
 
@@ -250,7 +278,8 @@ class StageServer:
 class OriginWire:
     """The origin's end: a PUSH to the first stage (used from the origin's one thread) and a
     PULL for what the last stage sends back, read by a thread of its own that completes each
-    micro-batch's future by its ``step``."""
+    micro-batch's future by its ``step``. While the pipe is broken (:meth:`fail_all` until
+    :meth:`mend`) a submission fails at once."""
 
     def __init__(self, secret: str, host: str):
         self.secret = secret
@@ -258,6 +287,7 @@ class OriginWire:
         self._first = _Sender()
         self._lock = threading.Lock()
         self._waiting: dict[int, Future] = {}
+        self._broken: BaseException | None = None
         self._thread = _serve_forever("pipeline-origin-wire", self._receive_one)
 
     def connect(self, address: str) -> None:
@@ -267,15 +297,28 @@ class OriginWire:
     def submit(self, hop: Hop, check: bool) -> Future:
         """Send ``hop`` into the pipe; its result (or the error a stage sent) completes the future."""
         future: Future = Future()
+        frames = hop_frames(hop, self.secret, check)
         with self._lock:
-            self._waiting[hop.step] = future
-        if not self._first.send(hop_frames(hop, self.secret, check)):
+            broken = self._broken
+            if broken is None:
+                self._waiting[hop.step] = future
+        if broken is not None:
+            future.set_exception(StageLost(str(broken)))
+            return future
+        try:
+            sent = self._first.send(frames)
+        except Exception as exc:
+            self.forget(hop.step)
+            future.set_exception(StageLost(f"sending to the first stage failed: {exc!r}"))
+            return future
+        if not sent:
             self.forget(hop.step)
             future.set_exception(StageLost("the first stage is not reachable"))
         return future
 
     def free(self, seq_id: str) -> None:
-        self._first.send([_encode(Free(self.secret, seq_id))])
+        """Best effort: a free that cannot be sent leaves the cache to the stages' TTL sweep."""
+        self._first.send(message_frames(Free(seq_id), self.secret))
 
     def forget(self, step: int) -> None:
         """Nobody waits for ``step`` any more (it timed out, or its job moved on)."""
@@ -283,11 +326,22 @@ class OriginWire:
             self._waiting.pop(step, None)
 
     def fail_all(self, error: BaseException) -> None:
-        """Every micro-batch in flight fails with ``error`` (a stage on their way is gone)."""
+        """Every micro-batch in flight fails with ``error`` (a stage on their way is gone), and
+        so does every submission until :meth:`mend`."""
         with self._lock:
             waiting, self._waiting = self._waiting, {}
+            self._broken = error
         for future in waiting.values():
             _settle(future, error=error)
+
+    def mend(self) -> None:
+        """The pipe is whole again (its stages recovered)."""
+        with self._lock:
+            self._broken = None
+
+    def broken(self) -> BaseException | None:
+        with self._lock:
+            return self._broken
 
     def in_flight(self) -> int:
         with self._lock:
@@ -313,10 +367,11 @@ class OriginWire:
 
 
 def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
+    """Complete ``future`` unless its waiter already gave up (cancelled it)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

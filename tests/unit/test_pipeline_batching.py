@@ -170,6 +170,33 @@ async def test_a_sequence_that_loses_its_cache_restarts_alone(tiny):
     assert origin.restarts == 1 and [job.seq.restarts for job in jobs] == [0, 1, 0, 0, 0, 0]
 
 
+async def test_a_sequence_a_stage_leaves_out_without_a_word_restarts_instead_of_waiting(tiny):
+    """A stage that sends a micro-batch on without one of its sequences and without saying why
+    (a bug, a bad peer): that sequence restarts; it does not wait for a step that never comes."""
+    kind, path = tiny
+    prompts = _prompts(100)[:3]
+    alone = await _alone(path, RANGES[kind], prompts)
+    origin = _origin(path, RANGES[kind])
+    calls = 0
+
+    class Silent(LocalStages):
+        def submit(self, hop, check):
+            nonlocal calls
+            calls += 1
+            result = super().submit(hop, check)
+            if calls == 6 and "t1" in hop.seq_ids:  # the answer comes back without t1
+                keep = [i for i, sid in enumerate(result.hop.seq_ids) if sid != "t1"]
+                result.hop = result.hop.only(keep)
+            return result
+
+    origin.stages = Silent(origin.stages.cores)
+    jobs = [_greedy_job(f"t{i}", p) for i, p in enumerate(prompts)]
+    async with asyncio.timeout(60):
+        together = await asyncio.gather(*(_run(origin, job) for job in jobs))
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert [job.seq.restarts for job in jobs] == [0, 1, 0]
+
+
 async def test_a_slow_reader_holds_back_only_its_own_sequence(tiny):
     kind, path = tiny
     origin = _origin(path, RANGES[kind])

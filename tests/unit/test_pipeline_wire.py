@@ -96,12 +96,34 @@ def test_bfloat16_activations_cross_bit_for_bit():
     assert (back.digest, back.dropped, back.step) == (b"d" * 16, {"z": "why"}, 9)
 
 
-def test_a_frame_without_the_pipes_secret_is_dropped():
+def test_a_frame_without_the_pipes_secret_or_whole_sizes_is_dropped():
     hop = _hop(0, 0, 2)
     frames = [bytes(memoryview(f)) for f in hop_frames(hop, "other", check=False)]
+    assert read_frames(frames, "other") is not None
     assert read_frames(frames, "mine") is None
-    assert read_frames([b"\x00not msgpack"], "mine") is None
-    assert read_frames(frames[:1], "other") is None  # a hop without its tensors
+    assert read_frames([b"other", b"\x00not msgpack"], "other") is None
+    assert read_frames(frames[:2], "other") is None  # a hop without its tensors
+    assert read_frames([*frames[:2], frames[2][:-4], frames[3]], "other") is None
+    assert read_frames([*frames[:3], frames[3] + b"\x00" * 8], "other") is None
+
+
+def test_a_hop_every_stage_dropped_crosses_empty_with_its_reasons():
+    hop = Hop(torch.zeros(1, 0, 64), torch.zeros(0, dtype=torch.long), (), (), 3,
+              dropped={"s": "no cache here for position 9"})
+    frames = [bytes(memoryview(f)) for f in hop_frames(hop, "k", check=False)]
+    _message, back = read_frames(frames, "k")
+    assert back.hidden.shape == (1, 0, 64) and back.seq_ids == ()
+    assert back.dropped == {"s": "no cache here for position 9"}
+
+
+def test_a_broken_pipe_fails_submissions_at_once_until_mended(llama):
+    wire, _servers = _pipe(_cores(llama))
+    wire.fail_all(StageLost("stage 1 is being respawned"))
+    with pytest.raises(StageLost, match="respawned"):
+        wire.submit(_hop(0, 0, 3), check=False).result(timeout=1)
+    assert wire.in_flight() == 0
+    wire.mend()
+    assert wire.submit(_hop(1, 0, 3), check=False).result(timeout=30).seq_ids == ("a",)
 
 
 def test_an_intruders_hop_never_reaches_the_layers(llama):
@@ -159,6 +181,7 @@ def test_a_respawned_stage_is_wired_in_and_what_was_lost_fails_at_once(llama):
     wire.fail_all(StageLost("stage 1 is gone"))  # what RayStages does when its vigil ends
     with pytest.raises(StageLost):
         lost.result(timeout=5)
+    wire.mend()  # what RayStages does once the stages are recovered
     replacement = StageServer(StageCore(load_layers(llama, 3, 6), 3, 6), "s3cret", HOST)
     replacement.connect(wire.address)
     servers[0].connect(replacement.address)
