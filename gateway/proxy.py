@@ -337,8 +337,27 @@ class ProxyGate:
 
 
 def middlewares() -> list[Middleware]:
-    """What Serve's proxy calls at start (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``).
-    Serve wraps its app in them in list order, so the last is outermost: the error shaping
-    sees whatever the gate and Serve answer."""
+    """What Serve's proxy calls at start (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``), and
+    every replica's own HTTP server too (Serve's direct ingress, behind HAProxy). Serve wraps
+    its app in them in list order, so the last is outermost: the error shaping sees whatever the
+    gate and Serve answer. A replica's own server gets the error shaping only: the gate's
+    questions are moot there (a request that reached a replica has its application's ingress,
+    and HAProxy bounds what is in flight, gateway.haproxy_errors), while its watch asked Serve's
+    controller and the GCS twice a second under load and it wrapped every streamed chunk
+    (docs/benchmarks.md, "The gate in the replicas")."""
     shapes = ErrorShapes.of_every_protocol()
+    if _in_replica():
+        return [Middleware(ProxyErrorShape, shapes=shapes)]
     return [Middleware(ProxyGate, shapes=shapes), Middleware(ProxyErrorShape, shapes=shapes)]
+
+
+def _in_replica() -> bool:
+    """Called in a Serve replica (its direct-ingress HTTP server), not in Serve's proxy."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        serve.get_replica_context()
+    except RayServeException:
+        return False
+    return True

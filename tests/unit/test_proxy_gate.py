@@ -275,3 +275,14 @@ def test_a_models_own_application_is_read_with_its_engine_replicas(monkeypatch):
     assert reading.replicas == {"gateway": 0, "model-a": 1}
     assert app_of(reading, "/model/a/v1/completions") == "model-a"
     assert reading.down == frozenset({"gateway"})
+
+
+def test_a_replicas_own_http_server_gets_the_error_shaping_only(monkeypatch):
+    """Serve calls the proxy callback in its proxy actor and in every replica's own HTTP server
+    (direct ingress, behind HAProxy): the gate, whose watch polls Serve, only in the proxy."""
+    import gateway.proxy as proxy
+
+    assert not proxy._in_replica()  # a test process is no Serve replica
+    assert [m.cls for m in proxy.middlewares()] == [ProxyGate, ProxyErrorShape]
+    monkeypatch.setattr(proxy, "_in_replica", lambda: True)
+    assert [m.cls for m in proxy.middlewares()] == [ProxyErrorShape]
