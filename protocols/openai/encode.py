@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -72,8 +73,9 @@ def _prompt_logprobs(prompt: PromptEvent) -> dict:
     offset = 0
     for i, token in enumerate(prompt.tokens):
         lp["tokens"].append(token.text)
-        lp["token_logprobs"].append(token.logprob)
-        lp["top_logprobs"].append({t.text: t.logprob for t in token.top_logprobs} if i else None)
+        lp["token_logprobs"].append(_finite(token.logprob))
+        lp["top_logprobs"].append({t.text: _finite(t.logprob) for t in token.top_logprobs}
+                                  if i else None)
         lp["text_offset"].append(offset)
         offset += len(token.text)
     return lp
@@ -104,8 +106,12 @@ class PromptScores:
     entries: list[dict | None]
 
 
-def _finite(logprob: float) -> float:
-    return -9999.0 if logprob == float("-inf") else logprob  # JSON has no -inf (as vLLM)
+def _finite(logprob: float | None) -> float | None:
+    """JSON has no -inf: a token a controller's mask or a bias ruled out is -9999.0, as vLLM
+    writes it (a 500 otherwise: JSON encoding refuses the response)."""
+    if logprob is None or math.isfinite(logprob):
+        return logprob
+    return -9999.0
 
 
 def prompt_scores(prompt: PromptEvent, k: int) -> list[dict | None]:
@@ -173,8 +179,8 @@ def _completion_logprobs(event: TokenEvent, offset: int) -> dict:
     token = event.token_text or ""
     return {
         "tokens": [token],
-        "token_logprobs": [event.logprob],
-        "top_logprobs": [{t.text: t.logprob for t in event.top_logprobs}],
+        "token_logprobs": [_finite(event.logprob)],
+        "top_logprobs": [{t.text: _finite(t.logprob) for t in event.top_logprobs}],
         "text_offset": [offset],
     }
 
@@ -183,10 +189,10 @@ def _chat_logprob(event: TokenEvent) -> dict:
     token = event.token_text or ""
     return {
         "token": token,
-        "logprob": event.logprob,
+        "logprob": _finite(event.logprob),
         "bytes": list(token.encode()),
         "top_logprobs": [
-            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+            {"token": t.text, "logprob": _finite(t.logprob), "bytes": list(t.text.encode())}
             for t in event.top_logprobs
         ],
     }

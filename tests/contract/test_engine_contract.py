@@ -190,26 +190,25 @@ GRAMMAR = ControllerSpec(module="llguidance", arg=json.dumps(
     {"grammar": {"grammars": [{"lark_grammar": 'start: "Paris is " /[a-z]{3,8}/'}]}}))
 
 
-@pytest.mark.parametrize("stream_index", [0, 1])
-async def test_a_grammar_holds_on_every_kind_that_runs_controllers(engine, stream_index):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_a_grammar_holds_on_every_kind_that_runs_controllers(engine, temperature):
     """A kind that runs controllers (the real ones: vLLM, the pipeline) writes what the
-    grammar admits, forced text included, and ends where it ends, for each choice; one that
-    runs none (the fake here) refuses the request as a validation error naming ``controller``."""
+    grammar admits, forced text included, greedy or sampled, and ends where the grammar ends
+    (its EOS); one that runs none (the fake here) refuses the request as a validation error
+    naming ``controller``."""
     request = _request("grammar", controller=GRAMMAR, sampling=Sampling(
-        temperature=0.0 if stream_index == 0 else 1.0, seed=3, n=1 + stream_index,
-        max_tokens=16))
+        temperature=temperature, seed=3, max_tokens=16))
     events = await _all(engine.client.generate(request))
     if engine.info.capabilities.controllers == "none":
         assert engine.name == "fake", "a real engine kind runs controllers"
         assert len(events) == 1 and isinstance(events[0], ErrorEvent), events
         assert events[0].kind == "validation" and events[0].param == "controller"
         return
-    finals = {e.index: e for e in events if isinstance(e, FinalEvent)}
-    assert sorted(finals) == list(range(request.sampling.n)), events
-    for index, final in finals.items():
-        text = "".join(e.text for e in events if isinstance(e, TokenEvent) and e.index == index)
-        assert re.fullmatch(r"Paris is [a-z]{3,8}", text + final.text), text
-        assert final.finish_reason == "stop", final
+    finals = [e for e in events if isinstance(e, FinalEvent)]
+    assert len(finals) == 1 and events[-1] is finals[0], events
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent)) + finals[0].text
+    assert re.fullmatch(r"Paris is [a-z]{3,8}", text), text
+    assert finals[0].finish_reason == "eos", finals[0]
 
 
 async def test_tokenize_detokenize_round_trip(engine):

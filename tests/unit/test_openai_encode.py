@@ -142,3 +142,22 @@ def test_prompt_scores_list_the_prompt_token_then_the_top_k_as_vllm_does():
     assert list(outside) == ["4", "7", "9"]  # k=2 of the three alternatives the engine sent
     assert outside["4"] == {"logprob": -9999.0, "rank": 500, "decoded_token": "z"}  # JSON: no -inf
     json.dumps([first, within, outside], allow_nan=False)
+
+
+async def test_tokens_a_mask_ruled_out_are_minus_9999_not_a_500():
+    """Under a grammar (response_format) an engine's top logprobs include tokens its mask ruled
+    out, at -inf, which JSON cannot carry: the whole response failed to encode (a 500, found by
+    tests/e2e/test_pipeline_controllers_e2e.py). vLLM writes them -9999.0."""
+    masked = TopLogprob(token_id=9, text="z", logprob=float("-inf"))
+    token = TokenEvent(token_id=104, text="h", logprob=-0.5, token_text="h",
+                       top_logprobs=(TopLogprob(token_id=104, text="h", logprob=-0.5), masked))
+    chat = await _list(chat_chunks(_aiter([token, _final()]), META, choices=1, logprobs=True,
+                                   usage="none"))
+    tops = chat[1]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [t["logprob"] for t in tops] == [-0.5, -9999.0]
+    plain = await _list(completion_chunks(_aiter([token, _final()]), META, logprobs=True,
+                                          usage="none"))
+    assert plain[0]["choices"][0]["logprobs"]["top_logprobs"] == [{"h": -0.5, "z": -9999.0}]
+    whole = completion_response(await collect(_aiter([token, _final()]), 1), META,
+                                logprobs=True)
+    json.dumps(whole, allow_nan=False)  # what the response's encoder demands
