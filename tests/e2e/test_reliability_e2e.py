@@ -522,13 +522,20 @@ async def test_a_burst_of_non_streaming_requests_gets_no_bare_500(gateway_url):
     missed health checks; 1,024 plain-text 500s). Now the excess is refused in shape at the
     door and the ingress stays healthy. (900 here; bench/reliability.py runs 2,000.)"""
     limits = httpx.Limits(max_connections=1000)
+    burst = f"burst-{time.monotonic_ns()}"
     async with httpx.AsyncClient(base_url=gateway_url, timeout=300, limits=limits) as c:
-        async def one():
-            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi",
-                                                      "max_tokens": 2})
+        async def one(i: int):
+            # Each request's id is the client's (HAProxy and the replicas log it): a request
+            # that gets no answer can be looked up (one did, once, in CI: a 300 s read timeout).
+            r = await c.post("/v1/completions", headers={"x-request-id": f"{burst}-{i}"},
+                             json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
             return r.status_code, r.headers.get("content-type", "")
 
-        results = await asyncio.gather(*(one() for _ in range(900)))
+        answers = await asyncio.gather(*(one(i) for i in range(900)), return_exceptions=True)
+        unanswered = [f"{burst}-{i} ({type(a).__name__})" for i, a in enumerate(answers)
+                      if isinstance(a, BaseException)]
+        assert not unanswered, f"no answer to {unanswered}"
+        results = [a for a in answers if not isinstance(a, BaseException)]
         statuses = [s for s, _ in results]
         print("\nburst of 900: " + ", ".join(f"{statuses.count(s)} x {s}"
                                                for s in sorted(set(statuses))))
