@@ -25,21 +25,18 @@ from typing import Any
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
-from compare import CLIENT_PRIORITIES, realtime_client  # noqa: E402
-from reliability import (  # noqa: E402
-    MODEL,
-    OVERLOAD_ENGINE_ARGS,
-    PROMPTS,
+from bench.load import CLIENT_PRIORITIES, realtime_client  # noqa: E402
+from bench.reliability import box  # noqa: E402
+from bench.reliability_clients import MODEL, OVERLOAD_ENGINE_ARGS, PROMPTS  # noqa: E402
+from bench.reliability_gateway import (  # noqa: E402
     Gateway,
-    _burst,
     _mb,
     _replica_processes,
-    box,
     engine_processes,
 )
-
+from bench.reliability_load import _burst  # noqa: E402
 from gateway.proxy import MAX_REQUESTS_VAR  # noqa: E402
 
 SETTLE_S = 5.0  # after a burst, before memory is read

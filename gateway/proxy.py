@@ -104,11 +104,15 @@ def _proxy_own(scope) -> bool:
 
 def _one_request_id(start: dict) -> None:
     """Serve writes ``x-request-id`` twice behind its proxy (its proxy's middleware and the
-    replica's, the same id): a client reads one."""
+    replica's, the same id): a client reads one. The ingress's capacity header is for Serve's
+    proxy alone: never a client's (a replica's own server has no gate to take it off)."""
     seen = False
     headers = []
     for name, value in start.get("headers") or ():
-        if name.lower() == b"x-request-id":
+        lowered = name.lower()
+        if lowered == CAPACITY_HEADER:
+            continue
+        if lowered == b"x-request-id":
             if seen:
                 continue
             seen = True

@@ -211,6 +211,17 @@ async def test_a_grammar_holds_on_every_kind_that_runs_controllers(engine, tempe
     assert finals[0].finish_reason == "eos", finals[0]
 
 
+async def test_a_controlled_request_asking_for_two_choices_is_refused(engine):
+    """Controllers fork instead of ``n`` (docs/controllers.md): a kind that runs them names
+    ``n``; one that runs none names ``controller``."""
+    request = _request("grammar-n", controller=GRAMMAR,
+                       sampling=Sampling(temperature=1.0, n=2, max_tokens=8))
+    events = await _all(engine.client.generate(request))
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent), events
+    none = engine.info.capabilities.controllers == "none"
+    assert events[0].kind == "validation" and events[0].param == ("controller" if none else "n")
+
+
 async def test_tokenize_detokenize_round_trip(engine):
     text = "Hello world, again."
     ids = await engine.client.tokenize(TextPrompt(text=text, add_special_tokens=False))

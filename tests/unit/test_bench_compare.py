@@ -124,3 +124,16 @@ def test_the_protocol_bench_rotates_the_path_order_and_reports_cpu_per_path():
     cells = [c.strip() for c in lmi.strip("|").split("|")]
     assert cells[1:] == ["96.0", "100", "0.960x", "2.00", "0.50"]  # (3 + 5) s / 4k tok
     assert "rotated" in table and "realtime" in table and "Machine:" in table
+
+
+def test_every_bench_script_imports():
+    """A bench's imports only show they broke when somebody measures (bench/bursts.py imported
+    names that a split of bench/reliability.py had moved, for days): import each one here."""
+    import importlib
+    from pathlib import Path
+
+    scripts = sorted(p.stem for p in (Path(__file__).parents[2] / "bench").glob("*.py")
+                     if p.stem != "__init__")
+    assert "bursts" in scripts and len(scripts) > 10
+    for name in scripts:
+        importlib.import_module(f"bench.{name}")

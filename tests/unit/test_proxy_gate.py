@@ -286,3 +286,20 @@ def test_a_replicas_own_http_server_gets_the_error_shaping_only(monkeypatch):
     assert [m.cls for m in proxy.middlewares()] == [ProxyGate, ProxyErrorShape]
     monkeypatch.setattr(proxy, "_in_replica", lambda: True)
     assert [m.cls for m in proxy.middlewares()] == [ProxyErrorShape]
+
+
+async def test_the_error_shaping_keeps_the_capacity_header_from_clients():
+    """In a replica's own server (direct ingress) no gate takes the ingress's capacity header
+    off: the error shaping does, on every answer."""
+    from gateway.limits import CAPACITY_HEADER
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(CAPACITY_HEADER, b"32"), (b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    transport = httpx.ASGITransport(app=ProxyErrorShape(app))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.get("/v1/models")
+    assert r.status_code == 200 and r.text == "ok"
+    assert CAPACITY_HEADER.decode() not in r.headers
