@@ -521,7 +521,7 @@ def _traces(request_ids: list[str], engines: httpx.Response) -> str:
     """What the replicas logged of requests that got no answer (none: never reached one), and
     what the engines hold now: where a request was lost."""
     seen = {i: [line.strip()[:200] for text in replica_logs("").values()
-                for line in text.splitlines() if i in line] for i in request_ids}
+                for line in text.splitlines() if f" {i} " in line] for i in request_ids}
     return f"no answer to {len(request_ids)}: {seen}; engines now: {engines.text[:500]}"
 
 
