@@ -16,9 +16,9 @@ errors with that protocol's body from a map file (``<status>.map``: protocol nam
 with ``Retry-After`` where retrying helps; a request naming a model that has its own
 application goes straight to it (``gateway.haproxy_models``). A replica that died before
 answering is a 503, as in the layout with Serve's proxy (``gateway/proxy.py``); for that, each
-request gets a connection to its replica of its own (:data:`_ONE_REQUEST_PER_CONNECTION`);
-bodies are not spliced in the kernel either way (:data:`_SPLICED`: a client that leaves closes
-its replica's connection, and every answer a replica sent reaches its client).
+request gets a connection to its replica of its own (:data:`_ONE_REQUEST_PER_CONNECTION`), and
+request bodies are not spliced, so that a client that leaves closes its replica's connection
+too.
 docs/cluster.md, "The public port".
 """
 
@@ -198,14 +198,10 @@ def _response_rules(tables: str, shapes: ErrorShapes) -> list[str]:
 # connection before answering, which is what a replica that died leaves behind: kept-alive
 # connections to replicas turned "the replica died, retry" into a dropped connection.
 _ONE_REQUEST_PER_CONNECTION = "option http-server-close"
-# Serve's template splices bodies in the kernel, both ways; our bodies and answers are small,
-# so nothing is spliced. Spliced requests: HAProxy often (3 of 6 times, measured) missed a
-# client that left and kept the replica's connection open, the generation running to its end
-# for nobody. Spliced responses: in CI a burst's answers the replica had logged (200 in 1.3 s)
-# never reached their clients (300 s read timeouts, 1 and then 4 requests of 900), the symptom
-# HAProxy's tracker has for splice-response (the backend's reply read, the client never
-# served; haproxy/haproxy#2505, #2749).
-_SPLICED = re.compile(r"^\s*option splice-(request|response)\s*$")
+# Serve's template splices request bodies in the kernel; then HAProxy often (3 of 6 times,
+# measured) misses a client that left and keeps the replica's connection open, and the
+# generation runs to its end for nobody. Our request bodies are small: no splicing.
+_SPLICED_REQUESTS = re.compile(r"^\s*option splice-request\s*$")
 _SECTION = re.compile(r"^\S")
 _ROUTE_ACL = re.compile(r"^\s*acl is_\S+ path_beg (\S+)\s*$")
 _REPLICA = re.compile(r"^\s*server \S+ \S+ check(?!.*\bbackup\b)")
@@ -248,7 +244,7 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
             section = [section[0], indent + _ONE_REQUEST_PER_CONNECTION,
                        *(indent + r for r in _error_rules(tables)),
                        *(line for line in section[1:] if not _SERVE_ERRORFILE.match(line)
-                         and not _SPLICED.match(line))]
+                         and not _SPLICED_REQUESTS.match(line))]
         elif head == ["frontend", "http_frontend"]:
             binds = [i for i, line in enumerate(section) if line.split()[:1] == ["bind"]]
             at = binds[-1] + 1 if binds else 1

@@ -229,14 +229,6 @@ def test_a_client_that_leaves_closes_its_replicas_connection_every_time(haproxy_
         assert slow.closed == left
 
 
-def test_no_body_is_spliced_in_the_kernel_either_way(tmp_path):
-    # Serve's template splices both; with spliced responses a burst's answers that the replica
-    # had logged never reached their clients (CI, intermittent: not reproducible in a test).
-    rendered = open(_render(str(tmp_path), free_port(), {"/gw": free_port()})).read()
-    assert "option splice-request" in rendered and "option splice-response" in rendered
-    assert "option splice-" not in shape_config(rendered, str(tmp_path), SHAPES)
-
-
 def test_a_path_no_application_has_goes_to_serves_proxy_on_the_node(haproxy_and_slow):
     # Serve's proxy knows the routes while HAProxy's are being rebuilt (an application being
     # redeployed drops out of them), and answers a path nobody has with its shaped 404.
