@@ -29,6 +29,7 @@ from protocols.internal import (
     ForkEvent,
     TokenEvent,
 )
+from protocols.sse import DONE, data_events
 
 __all__ = ["BACKTRACK_MARK", "RunMeta", "finish_reason", "run_objects", "sse"]
 
@@ -101,7 +102,5 @@ async def run_objects(events: AsyncIterator[Event], meta: RunMeta) -> AsyncItera
             return
 
 
-async def sse(objects: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    async for obj in objects:
-        yield b"data: " + msgspec.json.encode(obj) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+def sse(objects: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    return data_events(objects, done=DONE)

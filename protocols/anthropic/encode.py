@@ -19,6 +19,7 @@ from protocols.internal import (
     TokenEvent,
     splice_refusal,
 )
+from protocols.sse import named_events
 from protocols.streams import fold_splices
 from protocols.tools import CallStart, Piece, TextPiece, ToolCallReader, ToolChoice, whole_text
 
@@ -145,7 +146,6 @@ async def message_events(events: AsyncIterator[Event],
             yield "message_stop", {"type": "message_stop"}
 
 
-async def sse(items: AsyncIterator[tuple[str, dict]]) -> AsyncIterator[bytes]:
+def sse(items: AsyncIterator[tuple[str, dict]]) -> AsyncIterator[bytes]:
     """``event: <type>`` and ``data: <json>`` per event, as Anthropic's API writes them."""
-    async for name, data in items:
-        yield (f"event: {name}\ndata: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode()
+    return named_events(items)

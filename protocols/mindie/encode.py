@@ -8,7 +8,6 @@ all measured in the engine. ``finish_reason`` only on the last event.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from protocols.internal import (
     as_error,
 )
 from protocols.mindie.errors import from_event
+from protocols.sse import data_events
 from protocols.streams import fold_splices
 
 __all__ = ["ResponseMeta", "collect_response", "finish_reason", "sse", "stream_events"]
@@ -101,10 +101,9 @@ async def stream_events(events: AsyncIterator[Event], meta: ResponseMeta) -> Asy
             return
 
 
-async def sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+def sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """MindIE framing: ``data:`` with no space, a blank line after each event, no [DONE]."""
-    async for item in events:
-        yield b"data:" + json.dumps(item, ensure_ascii=False).encode() + b"\n\n"
+    return data_events(events, prefix=b"data:")
 
 
 async def collect_response(events: AsyncIterator[Event], meta: ResponseMeta) -> dict:

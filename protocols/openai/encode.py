@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from protocols.internal import (
 )
 from protocols.openai.errors import error_body, from_event
 from protocols.openai.tool_calls import ChatDeltas, chat_message, tool_finish_reason
+from protocols.sse import DONE, data_events
 from protocols.streams import fold_splices
 from protocols.tools import ToolChoice
 
@@ -290,11 +290,9 @@ async def chat_chunks(
         yield {**head, "choices": [], "usage": counter.as_dict()}
 
 
-async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """Server-sent events, ``data: <json>\\n\\n`` each, closed by ``data: [DONE]``."""
-    async for chunk in chunks:
-        yield b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+    return data_events(chunks, done=DONE)
 
 
 @dataclass

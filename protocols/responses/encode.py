@@ -5,7 +5,6 @@ text parts and deltas or function-call argument deltas, ``output_item.done``, th
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from protocols.internal import (
     splice_refusal,
 )
 from protocols.openai.errors import from_event
+from protocols.sse import named_events
 from protocols.streams import fold_splices
 from protocols.tools import ArgumentsPiece, CallStart, Piece, TextPiece, ToolCallReader, ToolChoice
 
@@ -163,6 +163,6 @@ async def response_events(events: AsyncIterator[Event],
             return
 
 
-async def sse(items: AsyncIterator[tuple[str, dict]]) -> AsyncIterator[bytes]:
-    async for name, data in items:
-        yield (f"event: {name}\ndata: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode()
+def sse(items: AsyncIterator[tuple[str, dict]]) -> AsyncIterator[bytes]:
+    """``event: <type>`` and ``data: <json>`` per event, as OpenAI's Responses API writes them."""
+    return named_events(items)

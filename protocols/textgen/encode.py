@@ -19,8 +19,6 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
-import msgspec
-
 from protocols.internal import (
     BacktrackEvent,
     ErrorEvent,
@@ -31,6 +29,7 @@ from protocols.internal import (
     TokenEvent,
     as_error,
 )
+from protocols.sse import data_events, json_bytes
 from protocols.streams import fold_splices
 from protocols.textgen.writers import (
     LMIWriter,
@@ -46,7 +45,6 @@ __all__ = ["GenerationFailed", "LMIWriter", "ResponseMeta", "SequenceResult", "T
            "jsonlines", "response_body", "sse", "stream_objects"]
 
 T = TypeVar("T")
-_encode = msgspec.json.Encoder().encode  # writes NaN / infinity as null, never as bare tokens
 
 
 class GenerationFailed(Exception):
@@ -226,12 +224,10 @@ async def _close(stream: AsyncIterator[Event]) -> None:
 async def jsonlines(objects: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """``application/jsonlines``: one JSON object per line, no prefix, no terminator."""
     async for obj in objects:
-        yield _encode(obj) + b"\n"
+        yield json_bytes(obj) + b"\n"
 
 
-async def sse(objects: AsyncIterator[dict[str, Any]], *, space: bool) -> AsyncIterator[bytes]:
+def sse(objects: AsyncIterator[dict[str, Any]], *, space: bool) -> AsyncIterator[bytes]:
     """Server-sent events without ``[DONE]`` or comments: ``data: `` for LMI (DJL's writer),
     ``data:`` with no space for TGI."""
-    prefix = b"data: " if space else b"data:"
-    async for obj in objects:
-        yield prefix + _encode(obj) + b"\n\n"
+    return data_events(objects, prefix=b"data: " if space else b"data:")

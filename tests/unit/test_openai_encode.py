@@ -105,7 +105,8 @@ async def test_midstream_error_becomes_error_chunk_and_stops():
 
 async def test_sse_framing_and_done():
     frames = await _list(sse(_aiter([{"a": 1}, {"b": "é"}])))
-    assert frames == [b'data: {"a": 1}\n\n', 'data: {"b": "é"}\n\n'.encode(), b"data: [DONE]\n\n"]
+    # Compact JSON, UTF-8 as is (vLLM's and OpenAI's streams are compact too).
+    assert frames == [b'data: {"a":1}\n\n', 'data: {"b":"é"}\n\n'.encode(), b"data: [DONE]\n\n"]
     json.loads(frames[1][len(b"data: "):])
 
 
