@@ -1,7 +1,6 @@
-"""Server-sent events: the one framing every streaming protocol writes (each picks its prefix
-and terminator: ``data: `` for OpenAI, AICI and LMI (``[DONE]`` after OpenAI's and AICI's), ``data:`` for MindIE
-and TGI,
-``event:`` lines for Anthropic and the Responses API).
+"""Server-sent events: the one framing every streaming protocol writes, each with its prefix
+and terminator: ``data: `` for OpenAI, AICI and LMI (``[DONE]`` after OpenAI's and AICI's),
+``data:`` for MindIE and TGI, ``event:`` lines for Anthropic and the Responses API.
 
 JSON is encoded with msgspec: compact separators, UTF-8 as is (no ``\\u`` escapes), NaN and
 infinities as ``null`` (never as bare tokens, which JSON cannot carry), and a fraction of
