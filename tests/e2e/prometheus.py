@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from gateway.serve_env import free_port
+from tests.serve_session import METRICS_REPORT_MS
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "prometheus.yml"
 
@@ -28,6 +29,15 @@ def _agent_targets() -> list[str]:
 
     return [f"{node['NodeManagerAddress']}:{node['MetricsExportPort']}"
             for node in ray.nodes() if node["Alive"]]
+
+
+# Prometheus caps a scrape's timeout at its interval. Ray's metrics agent takes 0.5 s to
+# answer a scrape of the observability module's ~4,400 samples alone; at the end of the full
+# suite it holds every earlier module's series and the box is busy: with a 1 s interval the
+# counters read {} before and after the mix there (CI, an AVX2-only 2-core box), as if no
+# scrape succeeded for minutes, while the module alone passed.
+SCRAPE_S = 5
+REPORT_S = METRICS_REPORT_MS / 1000  # how often Ray's processes hand their records to the agent
 
 
 class Prometheus:
@@ -44,21 +54,48 @@ class Prometheus:
         return {tuple(item["metric"].get(label, "") for label in labels): float(item["value"][1])
                 for item in self.query(expr)}
 
-    def settled(self, exprs: dict[str, tuple[str, ...]], quiet_s: float = 8,
-                timeout_s: float = 180) -> dict[str, dict]:
-        """Each expression's values once none of them changed for ``quiet_s`` (Ray's agents
-        export what processes recorded every few seconds, Prometheus scrapes every second)."""
+    def targets(self) -> list[dict]:
+        """Each scrape target's health, last error and last scrape's duration, as Prometheus
+        reports them (what a failure message needs to tell a slow agent from a missing one)."""
+        response = httpx.get(f"{self.url}/api/v1/targets", timeout=30)
+        return [{key: target.get(key) for key in ("scrapeUrl", "health", "lastError",
+                                                    "lastScrape", "lastScrapeDuration")}
+                for target in response.json()["data"]["activeTargets"]]
+
+    def scraped_since(self, wall_time: float) -> bool:
+        """Whether every agent has been scraped successfully by a scrape that began after
+        ``wall_time`` (seconds since the epoch)."""
+        up = self.values('up{job="ray"}', "instance")
+        began = self.values('timestamp(up{job="ray"})', "instance")
+        return bool(up) and all(up[key] == 1 and began[key] > wall_time for key in up)
+
+    def wait_scraped(self, timeout_s: float = 120) -> None:
+        """Until every agent the discovery file names has been scraped successfully once."""
+        deadline = time.monotonic() + timeout_s
+        while not self.scraped_since(0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"Ray's metrics agents were not scraped within {timeout_s:.0f} s: "
+                            f"{self.targets()}")
+            time.sleep(1)
+
+    def settled(self, exprs: dict[str, tuple[str, ...]], timeout_s: float = 240
+                ) -> dict[str, dict]:
+        """Each expression's values once a successful scrape found them unchanged that began a
+        report interval and a scrape interval after they last changed (by then what the
+        processes had recorded has reached the agents and been read)."""
         deadline = time.monotonic() + timeout_s
         last = {name: self.values(name, *labels) for name, labels in exprs.items()}
-        since = time.monotonic()
+        changed = time.time()
         while time.monotonic() < deadline:
             time.sleep(1)
+            fresh = self.scraped_since(changed + REPORT_S + SCRAPE_S)  # before reading values
             now = {name: self.values(name, *labels) for name, labels in exprs.items()}
             if now != last:
-                last, since = now, time.monotonic()
-            elif time.monotonic() - since >= quiet_s:
+                last, changed = now, time.time()
+            elif fresh:
                 return now
-        pytest.fail(f"the series did not settle within {timeout_s:.0f} s: {last}")
+        pytest.fail(f"the series did not settle within {timeout_s:.0f} s: {last}; "
+                    f"targets: {self.targets()}")
 
 
 @contextmanager
@@ -69,7 +106,8 @@ def running_prometheus(directory: Path) -> Iterator[Prometheus]:
     discovery = directory / "ray_targets.json"
     discovery.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": _agent_targets()}]))
     config = yaml.safe_load(SHIPPED_CONFIG.read_text())
-    config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
+    config["global"].update(scrape_interval=f"{SCRAPE_S}s", scrape_timeout=f"{SCRAPE_S}s",
+                            evaluation_interval=f"{SCRAPE_S}s")
     for job in config["scrape_configs"]:
         job["file_sd_configs"] = [{"files": [str(discovery)]}]
     (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -83,7 +121,9 @@ def running_prometheus(directory: Path) -> Iterator[Prometheus]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, process, directory)
-        yield Prometheus(url)
+        server = Prometheus(url)
+        server.wait_scraped()
+        yield server
     finally:
         process.terminate()
         try:

@@ -198,7 +198,7 @@ def test_every_dashboard_panel_has_data(metered_url, prometheus, pipeline_url):
         if not empty or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert not empty, empty
+    assert not empty, (empty, prometheus.targets())
 
 
 def test_the_metrics_notebook_plots_ttft_and_itl_per_protocol(metered_url, prometheus,
