@@ -20,12 +20,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
 import msgspec
-import ray
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import (
     BackPressureError,
@@ -36,6 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engines.callers import current_caller
 from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
+from gateway.replica_monitor import ReplicaMonitor
 from gateway.serve_status import SERVE_STATUS
 from protocols.internal import (
     EngineStats,
@@ -56,6 +55,7 @@ log = logging.getLogger(__name__)
 # The replica is gone or not (yet) there: the model is unavailable, not the request wrong.
 _REPLICA_GONE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError, ChannelLost)
 _MONITOR_INTERVAL_S = 2.0
+_IDLE_MONITOR_INTERVAL_S = 10.0  # where no request came for a while (replica_monitor.py)
 
 
 class ServeEngineClient:
@@ -65,6 +65,7 @@ class ServeEngineClient:
                  request_timeout_s: float | None = None, stall_timeout_s: float | None = None,
                  probe_timeout_s: float = 2.0, max_pending: int | None = None,
                  monitor_interval_s: float | None = _MONITOR_INTERVAL_S,
+                 idle_monitor_interval_s: float = _IDLE_MONITOR_INTERVAL_S,
                  channel: ChannelReceiver | None = None):
         self._handle = handle
         self._channel = channel  # None: the events come as the Serve call's results
@@ -84,11 +85,10 @@ class ServeEngineClient:
         self._suspect = False  # a replica failed or a probe went unanswered
         self._probe: asyncio.Future[bool] | None = None
         self._probe_done_at = 0.0
-        self._monitor: asyncio.Task | None = None
         self._suspect_event: asyncio.Event | None = None
-        self._running: int | None = None  # replicas Serve last reported running (monitor)
-        self._heard_at = 0.0  # when an engine replica last delivered events (monotonic)
-        self._status_pool: ThreadPoolExecutor | None = None
+        self._monitor = ReplicaMonitor(self._running_replicas, self._mark_suspect,
+                                       interval_s=monitor_interval_s,
+                                       idle_interval_s=idle_monitor_interval_s)
         self._caller: tuple[str, str] | bool | None = False  # this ingress replica, once known
 
     # --- availability ---------------------------------------------------------------------
@@ -107,7 +107,7 @@ class ServeEngineClient:
 
     async def available(self) -> bool:
         """Whether new requests should be sent (cheap unless a replica failed recently)."""
-        self._ensure_monitor()
+        self._monitor.ensure_running()
         if not self._suspect:
             return True
         recent = time.monotonic() - self._probe_done_at < self.probe_timeout_s
@@ -129,48 +129,9 @@ class ServeEngineClient:
         self._suspected().clear()
         return True
 
-    def _ensure_monitor(self) -> None:
-        # A replica that dies while idle is noticed here rather than by the next request, which
-        # would otherwise queue in Serve's router until the replacement is up.
-        if self.monitor_interval_s is not None and (self._monitor is None or self._monitor.done()):
-            self._monitor = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        # Serve's controller, not the replica, is asked: a health call to the replica would
-        # queue behind its ongoing requests under load and read as a failure.
-        every = self.monitor_interval_s
-        while True:
-            await asyncio.sleep(every - time.monotonic() % every)  # the shared ticks
-            # Streams that delivered meanwhile say as much as Serve would, and a replica that
-            # dies under them ends them itself; asking anyway cost the ingress about 5 % of its
-            # CPU under load (serve.status() builds every application's status).
-            if self._running and time.monotonic() - self._heard_at < self.monitor_interval_s:
-                continue
-            try:
-                running = await asyncio.get_running_loop().run_in_executor(
-                    self._status_thread(), self._running_replicas)
-            except Exception as exc:  # the controller is busy or restarting: no news
-                log.debug("serve status for %s failed: %r", self.model, exc)
-                continue
-            self._running = running
-            if running == 0:
-                self._mark_suspect()
-
-    def _status_thread(self) -> ThreadPoolExecutor:
-        """The monitor's own thread: its question must not wait behind whatever else fills
-        the loop's default executor (in the full test session, after the e2e suites, the
-        monitor's second question never ran there)."""
-        if self._status_pool is None:
-            self._status_pool = ThreadPoolExecutor(1, thread_name_prefix="engine-monitor")
-        return self._status_pool
-
     def _running_replicas(self) -> int:
-        if not ray.is_initialized():  # serve.status() would start a local Ray instance
-            raise RuntimeError("Ray is not initialized here")
-        status = SERVE_STATUS.read(self.monitor_interval_s / 2).applications[
-            self._handle.app_name]
-        deployment = status.deployments[self._handle.deployment_name]
-        return deployment.replica_states.get("RUNNING", 0)  # a str enum
+        return SERVE_STATUS.running_replicas(self._handle.app_name, self._handle.deployment_name,
+                                             fresh_s=self.monitor_interval_s / 2)
 
     # --- the contract ---------------------------------------------------------------------
 
@@ -178,6 +139,7 @@ class ServeEngineClient:
         if self.max_pending is not None and self.pending >= self.max_pending:
             yield overloaded(self.model)
             return
+        self._monitor.note_request()
         if not await self.available():
             yield self._no_replica().event()
             return
@@ -205,7 +167,7 @@ class ServeEngineClient:
                     async for event in events:
                         received = True
                         yield event
-                self._heard_at = time.monotonic()
+                self._monitor.heard_at = time.monotonic()
                 return
             except _NoReplica:
                 yield self._no_replica().event()
@@ -313,6 +275,8 @@ class ServeEngineClient:
         return ErrorEvent(kind="engine", message=f"engine call failed (request {request_id})")
 
     async def _call(self, what: str, method: str, *args: object) -> Any:
+        if method != "check_health":
+            self._monitor.note_request()
         if not await self.available():
             raise self._no_replica()
         try:
@@ -347,14 +311,15 @@ class ServeEngineClient:
         Asked of Serve's controller, which health-checks each replica outside the request
         queue: a health call through the handle would wait behind a busy model's queue, or be
         refused by it, and a probe would pull the gateway exactly when it is saturated.
-        The monitor's last reading is used (at most ``monitor_interval_s`` old), so probes cost
-        no call of their own.
+        The monitor's last reading is used (at most ``monitor_interval_s`` old, or
+        ``idle_monitor_interval_s`` where no request came for a while), so probes cost no call
+        of their own.
         """
         if not await self.available():  # also starts the monitor
             raise self._no_replica()
-        if self._running is None:  # no reading yet, or no Serve controller (in-process app)
+        if self._monitor.running is None:  # no reading yet, or no Serve controller here
             await self._call("health check", "check_health")
-        elif self._running == 0:
+        elif self._monitor.running == 0:
             raise self._no_replica()
 
     async def stats(self) -> EngineStats:

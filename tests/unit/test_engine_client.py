@@ -419,7 +419,45 @@ async def _monitor_asks_only_while_idle(handle, asked, monitored) -> None:
 
     # Bounded by time only as a hang guard: on a loaded CI box a tick took 1 s, not 0.3.
     await asyncio.wait_for(asked_twice_more(), 10)
-    client._monitor.cancel()
+    client._monitor.task.cancel()
+
+
+async def test_an_idle_monitor_waits_for_a_request_and_then_asks_at_once(monkeypatch):
+    """Where no request for the model came for a while (in the default layout the gateway
+    application's ingress carries no OpenAI stream), the monitor stops asking Serve every
+    interval; health checks do not wake it, the first request does, and it asks at once."""
+    from gateway import replica_monitor
+
+    monkeypatch.setattr(replica_monitor, "IDLE_AFTER_S", 0.3)
+    handle, asked = _Handle(), []
+
+    class _Monitored(ServeEngineClient):
+        def _running_replicas(self) -> int:
+            asked.append(time.monotonic())
+            return 1
+
+    # Idle, it would ask again only an hour later: every question below is a wake-up's.
+    client = _Monitored(handle, "m", monitor_interval_s=0.05, idle_monitor_interval_s=3600)
+    with pytest.raises(EngineUnavailable):
+        await client.model_info()  # a request: starts the monitor, which asks tick after tick
+    while len(asked) < 2:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(2)  # well past IDLE_AFTER_S: the monitor has gone idle
+    idle = len(asked)
+    await client.check_health()  # answered from the last reading: no question, no wake-up
+    await asyncio.sleep(1)
+    assert len(asked) == idle, asked
+    with pytest.raises(EngineUnavailable):
+        await client.model_info()  # the first request after the pause
+
+    async def asked_again() -> None:
+        while len(asked) == idle:
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.wait_for(asked_again(), 10)  # a hang guard only
+    finally:
+        client._monitor.task.cancel()
 
 
 async def test_every_models_monitor_shares_one_serve_status_per_tick(monkeypatch):
@@ -439,7 +477,7 @@ async def test_every_models_monitor_shares_one_serve_status_per_tick(monkeypatch
 
     monkeypatch.setattr(serve_status.serve, "status", status)
     monkeypatch.setattr(engine_client, "SERVE_STATUS", serve_status.ServeStatus())
-    monkeypatch.setattr(engine_client.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(serve_status.ray, "is_initialized", lambda: True)
     asked: dict[str, int] = {"engine-m": 0, "engine-n": 0}
 
     class _Counted(ServeEngineClient):
@@ -461,8 +499,8 @@ async def test_every_models_monitor_shares_one_serve_status_per_tick(monkeypatch
         await asyncio.wait_for(three_ticks_each(), 30)  # a hang guard only
     finally:
         for client in clients:
-            client._monitor.cancel()
-    assert all(client._running == 1 for client in clients)
+            client._monitor.task.cancel()
+    assert all(client._monitor.running == 1 for client in clients)
     # Both asked each tick; Serve was read about once a tick (a tick that one monitor's loop
     # reached over a quarter second late, on a loaded box, reads again).
     assert len(reads) <= sum(asked.values()) / 2 + 1, (len(reads), asked)
