@@ -28,22 +28,27 @@ PORT = 8000
 SETTLE_S = 40  # after the warm-up: past the engine monitor's 30 s to its idle ticks
 
 
-def _idle(pid: int, idle_s: float) -> dict[str, float]:
-    """CPU-seconds per second by process over ``idle_s`` with no request."""
+def _idle(pid: int, idle_s: float) -> dict:
+    """CPU-seconds per second by process, and outside the engine, over ``idle_s`` with no
+    request."""
     roles = cputime.labels(pid)
     before = cputime.snapshot(pid)
     time.sleep(idle_s)
-    spent = cputime.spent_by_role(before, cputime.snapshot(pid), roles)
-    return {role: round(cpu / idle_s, 4) for role, cpu in spent.items() if cpu > 0.005}
+    after = cputime.snapshot(pid)
+    spent = cputime.spent_by_role(before, after, roles)
+    return {"idle_outside_engine": round(cputime.spent(before, after)["other_cpu_s"] / idle_s, 4),
+            "idle_cpu_s_per_s": {role: round(cpu / idle_s, 4)
+                                 for role, cpu in spent.items() if cpu > 0.005}}
 
 
 def _loaded(pid: int, model: str, model_dir: str, prompts: int) -> dict:
     """CPU-ms per streamed token by process under ``prompts`` requests at c=16."""
     before = cputime.snapshot(pid)
     result = run_load(PORT, model, model_dir, 16, prompts, "openai", "realtime")
-    spent = cputime.spent_by_role(before, cputime.snapshot(pid), cputime.labels(pid))
+    after = cputime.snapshot(pid)
+    spent = cputime.spent_by_role(before, after, cputime.labels(pid))
     tokens = result["total_output_tokens"]
-    outside = sum(cpu for role, cpu in spent.items() if not role.startswith("VLLM::"))
+    outside = cputime.spent(before, after)["other_cpu_s"]
     return {"tok_s": round(result["output_throughput"], 1),
             "outside_engine_s_per_1k_tok": round(1000 * outside / tokens, 3),
             "ms_per_token": {role: round(1000 * cpu / tokens, 4)
@@ -62,10 +67,7 @@ def main() -> None:
         wait_ready(f"http://127.0.0.1:{PORT}", model, proc)
         run_load(PORT, model, model_dir, 16, 32, "openai", "realtime")  # warm-up
         time.sleep(SETTLE_S)
-        idle = _idle(proc.pid, args.idle_s)
-        report = {"machine": machine(), "tree": str(args.tree), "idle_cpu_s_per_s": idle,
-                  "idle_outside_engine": round(sum(v for role, v in idle.items()
-                                                   if not role.startswith("VLLM::")), 4)}
+        report = {"machine": machine(), "tree": str(args.tree), **_idle(proc.pid, args.idle_s)}
         if args.prompts:
             report["load_c16"] = _loaded(proc.pid, model, model_dir, args.prompts)
         print(json.dumps(report, indent=1))

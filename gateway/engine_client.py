@@ -34,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engines.callers import current_caller
 from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
-from gateway.replica_monitor import ReplicaMonitor
+from gateway.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
 from gateway.serve_status import SERVE_STATUS
 from protocols.internal import (
     EngineStats,
@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 
 # The replica is gone or not (yet) there: the model is unavailable, not the request wrong.
 _REPLICA_GONE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError, ChannelLost)
-_MONITOR_INTERVAL_S = 2.0
-_IDLE_MONITOR_INTERVAL_S = 10.0  # where no request came for a while (replica_monitor.py)
 
 
 class ServeEngineClient:
@@ -64,8 +62,8 @@ class ServeEngineClient:
     def __init__(self, handle: DeploymentHandle, model: str | None = None, *,
                  request_timeout_s: float | None = None, stall_timeout_s: float | None = None,
                  probe_timeout_s: float = 2.0, max_pending: int | None = None,
-                 monitor_interval_s: float | None = _MONITOR_INTERVAL_S,
-                 idle_monitor_interval_s: float = _IDLE_MONITOR_INTERVAL_S,
+                 monitor_interval_s: float | None = INTERVAL_S,
+                 idle_monitor_interval_s: float = IDLE_INTERVAL_S,
                  channel: ChannelReceiver | None = None):
         self._handle = handle
         self._channel = channel  # None: the events come as the Serve call's results
@@ -81,7 +79,6 @@ class ServeEngineClient:
         # burst).
         self.max_pending = max_pending
         self.pending = 0
-        self.monitor_interval_s = monitor_interval_s
         self._suspect = False  # a replica failed or a probe went unanswered
         self._probe: asyncio.Future[bool] | None = None
         self._probe_done_at = 0.0
@@ -131,7 +128,7 @@ class ServeEngineClient:
 
     def _running_replicas(self) -> int:
         return SERVE_STATUS.running_replicas(self._handle.app_name, self._handle.deployment_name,
-                                             fresh_s=self.monitor_interval_s / 2)
+                                             fresh_s=self._monitor.interval_s / 2)
 
     # --- the contract ---------------------------------------------------------------------
 

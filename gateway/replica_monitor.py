@@ -21,12 +21,14 @@ __all__ = ["ReplicaMonitor"]
 
 log = logging.getLogger(__name__)
 
+INTERVAL_S = 2.0  # the default ``interval_s``: how often Serve is asked while requests come
 # Where this ingress carries none of the model's requests (in the default layout HAProxy sends
 # OpenAI requests straight to the model's own application), asking Serve every 2 s was half of
 # the idle ingress replica's CPU (docs/benchmarks.md): after this long without a request the
 # monitor asks every ``idle_interval_s`` instead, and a request arriving then wakes it to ask
 # at once.
 IDLE_AFTER_S = 30.0
+IDLE_INTERVAL_S = 10.0  # the default ``idle_interval_s``
 
 
 class ReplicaMonitor:
@@ -50,19 +52,19 @@ class ReplicaMonitor:
         if self.interval_s is not None and (self.task is None or self.task.done()):
             self.task = asyncio.ensure_future(self._watch(self.interval_s))
 
+    def _idle(self) -> bool:
+        return time.monotonic() - self._requested_at >= IDLE_AFTER_S
+
     def note_request(self) -> None:
         """A request for the model came through this ingress (health checks do not count)."""
-        now, last = time.monotonic(), self._requested_at
-        self._requested_at = now
-        if now - last >= IDLE_AFTER_S and self._wake is not None:
+        if self._idle() and self._wake is not None:
             self._wake.set()  # the monitor was idle: a replica may have died unseen meanwhile
+        self._requested_at = time.monotonic()
 
     async def _next_tick(self, interval_s: float) -> None:
         """Until the next shared tick (a multiple of the interval on the monotonic clock), or
         until a request after an idle pause wakes the monitor."""
-        every = interval_s
-        if time.monotonic() - self._requested_at >= IDLE_AFTER_S:
-            every = max(interval_s, self.idle_interval_s)
+        every = max(interval_s, self.idle_interval_s) if self._idle() else interval_s
         if self._wake is None:  # made on the ingress's loop, at first use
             self._wake = asyncio.Event()
         try:
