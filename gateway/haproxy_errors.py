@@ -24,10 +24,12 @@ docs/cluster.md, "The public port".
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
 import shutil
+import signal
 import sys
 
 import msgspec
@@ -295,6 +297,26 @@ def _shaped_copy(config_path: str) -> str:
     return shaped
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _end_with_starter() -> None:
+    """HAProxy soft-stops (SIGUSR1: it closes its listeners at once, lets the streams in flight
+    finish, within the configuration's ``hard-stop-after``) when the thread that started it,
+    Serve's HAProxy manager's event loop, is gone. A manager stopped cleanly stops HAProxy
+    itself; one killed (a second Ctrl-C on ``serve run``, ``ray stop --force``, the OOM killer)
+    cannot, and HAProxy kept the public port: the manager Serve started next failed to bind it,
+    and the node's routes stayed as they were (docs/reliability.md). The setting outlives
+    ``execv``; Linux only, as Serve's HAProxy is."""
+    if not sys.platform.startswith("linux"):
+        return
+    starter = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1) != 0:
+        raise SystemExit(f"{LAUNCHER}: prctl failed: {os.strerror(ctypes.get_errno())}")
+    if os.getppid() != starter:  # it went before the setting took: nothing would signal
+        raise SystemExit(f"{LAUNCHER}: the process that started HAProxy is gone")
+
+
 def main(argv: list[str] | None = None) -> None:
     """``llm-gateway-haproxy ARGS``: HAProxy with ARGS, its ``-f`` configuration shaped."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -302,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         if arg == "-f" and os.path.isfile(args[i + 1]):
             args[i + 1] = _shaped_copy(args[i + 1])
     binary = real_binary()
+    _end_with_starter()
     os.execv(binary, [binary, *args])
 
 

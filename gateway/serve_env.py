@@ -52,6 +52,14 @@ HAPROXY_ENV: dict[str, str] = {
     # With the engine in the ingress replica that CPU comes out of the engine's cores, and on
     # a slow engine it adds up per token. Serve reacts (health, autoscaling, deploys) at 2 Hz.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # A stopping ingress replica stays reachable this long before it refuses new connections
+    # (then finishes what it serves). Serve's 30 s is for a load balancer outside Ray that
+    # sends to the replicas' ports itself; here only Serve's HAProxy does, which reloads within
+    # a second or two and retries a refused connection on another replica. At 30 s, stopping
+    # `serve run` took 33 s ("Controller failed to shut down within 30.0s"), long enough to be
+    # interrupted again, and every redeploy and scale-down waited as long; at 2 s it took 9 s
+    # (docs/reliability.md).
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
 

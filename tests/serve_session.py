@@ -8,7 +8,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from unittest import mock
 
 import httpx
 import msgspec
@@ -38,11 +37,6 @@ SESSION_CPUS = 4
 # Serve's proxy), and what the tests check does not depend on it. bench/ runs the compiled
 # default.
 VLLM_TEST_ARGS = {"enforce_eager": True}
-# With HAProxy on the port, Serve keeps a stopping ingress replica serving for at least 30 s
-# (time for an outside load balancer to stop sending it requests), and the next step waits:
-# each module that deletes its applications, and the session's end, took 30-60 s more. The
-# session's HAProxy is Serve's own, reloaded within a second.
-DRAIN_VAR, DRAIN_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2"
 
 
 
@@ -70,14 +64,11 @@ def gateway_url():
     # Serve's proxy inherits Ray's environment: errors it writes itself come in shape.
     serve_env.apply()
     port = free_port()
-    # Ray's processes take their environment from this one when it starts them; only this
-    # instance's (not the clusters other tests start later) drain for DRAIN_S.
-    with mock.patch.dict(os.environ, {DRAIN_VAR: DRAIN_S}):
-        ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
-                 # Metrics reach the agents in 2 s instead of 10 (the observability tests wait
-                 # on them); one small export per process every 2 s.
-                 _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
+    ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
+             # Metrics reach the agents in 2 s instead of 10 (the observability tests wait on
+             # them); one small export per process every 2 s.
+             _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # serve_config.yaml's layout: the model its own application (its replicas serve it over

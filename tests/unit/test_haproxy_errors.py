@@ -11,11 +11,13 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
 
 import httpx
+import psutil
 import pytest
 
 from gateway import haproxy_errors
@@ -126,19 +128,26 @@ def start_haproxy(directory: str, apps: dict[str, int],
     config = _render(directory, port, apps)
     env = {**os.environ, haproxy_errors.BINARY_VAR: real_binary(),
            haproxy_errors.FALLBACK_PORT_VAR: str(fallback_port)}
-    launcher = [os.path.join(os.path.dirname(os.sys.executable), haproxy_errors.LAUNCHER)]
-    proc = subprocess.Popen([*launcher, "-db", "-f", config], env=env,
+    proc = subprocess.Popen([*_LAUNCHER, "-db", "-f", config], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
+    _wait_listening(url, proc)
+    return proc, url
+
+
+_LAUNCHER = [os.path.join(os.path.dirname(sys.executable), haproxy_errors.LAUNCHER)]
+
+
+def _wait_listening(url: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
             httpx.get(url + "/-/routes", timeout=1)
-            break
+            return
         except httpx.TransportError:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert proc.poll() is None, (proc.stderr.read() or b"").decode()[-3000:]
             time.sleep(0.1)
-    return proc, url
+    pytest.fail(f"HAProxy did not listen on {url} within 20 s")
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +269,81 @@ def test_the_owner_rules_follow_the_proxys_choice_of_shape():
         rules.index(next(r for r in rules if "path_beg /pipeline/v1/ " in r))
     assert rules[-1].startswith(f"http-request set-var(txn.llm_gateway_protocol) "
                                 f"str({SHAPES.owners[0].name}) if !")
+
+
+class _StreamingReplica(_Replica):
+    """Streams ten chunks, one every 0.2 s, to each request that is not a health check."""
+
+    def _connection(self, conn):
+        with conn, contextlib.suppress(OSError):
+            if conn.recv(65536).startswith(b"GET /-/healthz"):
+                conn.sendall(HEALTHY)
+                return
+            conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for i in range(10):
+                time.sleep(0.2)
+                conn.sendall(b"2\r\n%02d\r\n" % i)
+            conn.sendall(b"0\r\n\r\n")
+
+
+# Serve's HAProxy manager, as far as HAProxy can tell: starts it, says its pid, then waits.
+_STARTER = """
+import subprocess, sys, time
+print(subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid,
+      flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # its new parent may not reap
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _stream(url: str, chunks: list[bytes], first: threading.Event) -> None:
+    with httpx.stream("POST", url, json={}, timeout=30) as response:
+        for chunk in response.iter_raw():
+            chunks.append(chunk)
+            first.set()
+
+
+def test_haproxy_ends_with_the_process_that_started_it_and_frees_the_port(tmp_path):
+    # A manager that is killed cannot stop its HAProxy: that HAProxy kept the public port, and
+    # the manager Serve started next failed to bind it ("Address already in use"). HAProxy
+    # soft-stops instead: the port is free at once, the stream in flight still ends whole.
+    replica, port = _StreamingReplica(), free_port()
+    config = _render(str(tmp_path), port, {"/s": replica.port})
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, *_LAUNCHER, "-db", "-f", config],
+                               env={**os.environ, haproxy_errors.BINARY_VAR: real_binary()},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    haproxy_pid = int(starter.stdout.readline())
+    try:
+        _wait_listening(f"http://127.0.0.1:{port}", starter)
+        assert psutil.Process(haproxy_pid).exe() == os.path.realpath(real_binary())
+        chunks, first = [], threading.Event()
+        reader = threading.Thread(target=_stream, daemon=True,
+                                  args=(f"http://127.0.0.1:{port}/s/v1/completions", chunks, first))
+        reader.start()
+        assert first.wait(10)
+        starter.kill()
+        starter.wait(10)
+        deadline = time.monotonic() + 1
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port)):
+                break  # the next HAProxy can bind the port
+            time.sleep(0.05)
+        else:
+            pytest.fail("HAProxy kept the port after the process that started it was killed")
+        reader.join(10)
+        assert b"".join(chunks) == b"".join(b"%02d" % i for i in range(10))
+        deadline = time.monotonic() + 5
+        while not _gone(haproxy_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(haproxy_pid), "HAProxy outlived the process that started it"
+    finally:
+        starter.kill()
+        replica.listener.close()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(haproxy_pid).kill()
