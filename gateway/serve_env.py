@@ -36,6 +36,14 @@ SERVE_ENV: dict[str, str] = {
     # (docs/benchmarks.md, "Niceness"): with one busy process beside it, the fast layout went
     # from 150 to 233 tok/s on the embedded model with its processes at nice 0.
     "RAY_worker_niceness": "0",
+    # Ray's log monitor, which forwards every worker's output to the driver (`serve run`'s
+    # terminal), lists the logs directory ten times a second while it holds under 1,000 files
+    # (Ray's threshold), and once per LOG_NAME_UPDATE_INTERVAL_S above it. From the first file
+    # on, once a second: a new process's first lines reach the terminal up to a second later,
+    # and the idle monitor spends a third of the CPU (0.0145 -> 0.005 CPU-s/s on the AVX2 box,
+    # docs/benchmarks.md, "Ray's log monitor").
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "1",
 }
 
 

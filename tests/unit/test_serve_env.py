@@ -94,3 +94,26 @@ def test_a_free_port_is_bindable_and_outside_the_kernels_ephemeral_range():
     assert all(20000 <= port < low for port in ports), ports
     with socket.socket() as server:
         server.bind(("127.0.0.1", ports.pop()))
+
+
+_PRINTS_FROM_A_NEW_WORKER = """
+import ray, time
+ray.init(address="local", num_cpus=1, include_dashboard=False)
+@ray.remote
+def speak():
+    print("a line from a new worker", flush=True)
+ray.get(speak.remote())
+time.sleep(4)  # the monitor lists new files once a second: room for three listings
+ray.shutdown()
+"""
+
+
+def test_a_new_workers_output_still_reaches_the_driver_with_the_log_monitors_settings():
+    # serve_env slows how often Ray's log monitor looks for new log files; what a new worker
+    # prints must still reach the driver (serve run's terminal), only later.
+    env = {**os.environ, **serve_env.SERVE_ENV}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", _PRINTS_FROM_A_NEW_WORKER], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "a line from a new worker" in done.stdout + done.stderr
