@@ -111,8 +111,7 @@ ray.shutdown()
 def test_a_new_workers_output_still_reaches_the_driver_with_the_log_monitors_settings():
     # serve_env slows how often Ray's log monitor looks for new log files; what a new worker
     # prints must still reach the driver (serve run's terminal), only later.
-    env = {**os.environ, **serve_env.SERVE_ENV}
-    env.pop("RAY_ADDRESS", None)
+    env = {**os.environ, **serve_env.SERVE_ENV}  # address="local": RAY_ADDRESS is not read
     done = subprocess.run([sys.executable, "-c", _PRINTS_FROM_A_NEW_WORKER], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
