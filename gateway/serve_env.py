@@ -47,6 +47,15 @@ SERVE_ENV: dict[str, str] = {
 }
 
 
+def _haproxy_threads(cpus: int) -> dict[str, str]:
+    """HAProxy's thread count for a node with ``cpus`` CPUs. Serve starts 4 threads whatever the
+    node; on 2 cores (one of them the engine worker's) those cost HAProxy a fifth more CPU per
+    streamed token than one thread does (three alternated pairs, docs/benchmarks.md, "Ray's
+    signal check and HAProxy's threads"), and one thread forwards about 25,000 streamed tokens/s
+    even on that slow box. Above 4 CPUs Serve's 4 stay (not measured there)."""
+    return {"RAY_SERVE_HAPROXY_NBTHREAD": "1"} if cpus <= 4 else {}
+
+
 INGRESS_VAR = "LLM_GATEWAY_INGRESS"
 HAPROXY_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -68,6 +77,9 @@ HAPROXY_ENV: dict[str, str] = {
     # interrupted again, and every redeploy and scale-down waited as long; at 2 s it took 9 s
     # (docs/reliability.md).
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    # Counted where the node's Ray starts (this process): each node of a cluster its own.
+    **_haproxy_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1),
 }
 
 

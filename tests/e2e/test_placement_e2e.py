@@ -2,7 +2,8 @@
 Ray's daemons, Serve's controller and proxy, the replicas, vLLM's scheduler process and the
 controller runtime actor, every thread of each, in the test session's Ray node with its real
 vLLM replica. The oracle is the kernel's own affinity of each thread (psutil / sched_getaffinity),
-against the CPUs the worker's threads are pinned to.
+against the CPUs the worker's threads are pinned to. Also what ``gateway/serve_env.py`` sets for
+the processes it does not place: the engine's priority, HAProxy's threads.
 """
 
 from __future__ import annotations
@@ -127,3 +128,17 @@ def test_the_engine_runs_at_the_priority_of_rays_daemons(openai_client):
     for proc in engine:
         nices = _threads_nice(proc)
         assert nices and set(nices) == {daemon_nice}, (_title(proc)[:60], set(nices), daemon_nice)
+
+
+def test_haproxy_runs_the_threads_its_node_was_given(openai_client):
+    # gateway/serve_env.py gives HAProxy one thread on a node of at most 4 CPUs (Serve starts
+    # 4 whatever the node); the session's environment holds what this node was given.
+    assert openai_client.completions.create(model=MODEL, prompt="Hello", max_tokens=2,
+                                            temperature=0).choices[0].text is not None
+    expected = int(os.environ.get("RAY_SERVE_HAPROXY_NBTHREAD", "4"))
+    if len(os.sched_getaffinity(0)) <= 4:
+        assert expected == 1
+    raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
+    haproxies = [p for p in raylet.children(recursive=True) if p.name() == "haproxy"]
+    assert haproxies, "the session's HAProxy runs under its Ray node"
+    assert {p.num_threads() for p in haproxies} == {expected}

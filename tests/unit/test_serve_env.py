@@ -61,6 +61,17 @@ def test_serves_proxy_on_the_public_port_is_the_opt_out():
     assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in env
 
 
+def test_haproxy_runs_one_thread_on_a_small_node_and_serves_four_on_a_larger_one():
+    assert serve_env._haproxy_threads(1) == serve_env._haproxy_threads(4) == {
+        "RAY_SERVE_HAPROXY_NBTHREAD": "1"}
+    assert serve_env._haproxy_threads(5) == serve_env._haproxy_threads(64) == {}
+    # This node's own CPUs decide, and an operator's value wins.
+    small = len(os.sched_getaffinity(0)) <= 4
+    assert ("RAY_SERVE_HAPROXY_NBTHREAD" in serve_env.apply({})) == small
+    assert serve_env.apply({"RAY_SERVE_HAPROXY_NBTHREAD": "8"})["RAY_SERVE_HAPROXY_NBTHREAD"] == "8"
+    assert "RAY_SERVE_HAPROXY_NBTHREAD" not in serve_env.apply({serve_env.INGRESS_VAR: "serve"})
+
+
 def test_no_haproxy_binary_or_an_unknown_ingress_is_refused(monkeypatch):
     monkeypatch.setattr(haproxy_errors.shutil, "which", lambda name: None)
     monkeypatch.setattr(haproxy_errors.importlib.util, "find_spec", lambda name: None)
