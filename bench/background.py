@@ -30,15 +30,20 @@ SETTLE_S = 40  # after the warm-up: past the engine monitor's 30 s to its idle t
 
 def _idle(pid: int, idle_s: float) -> dict:
     """CPU-seconds per second by process, and outside the engine, over ``idle_s`` with no
-    request."""
+    request; and the main thread of each Ray worker (Ray's signal check, ``main_threads``)."""
     roles = cputime.labels(pid)
-    before = cputime.snapshot(pid)
+    ray_workers = [p for p, role in roles.items() if role.startswith("ray::")]
+    before, mains = cputime.snapshot(pid), cputime.main_threads(ray_workers)
     time.sleep(idle_s)
-    after = cputime.snapshot(pid)
+    after, mains_after = cputime.snapshot(pid), cputime.main_threads(ray_workers)
     spent = cputime.spent_by_role(before, after, roles)
     return {"idle_outside_engine": round(cputime.spent(before, after)["other_cpu_s"] / idle_s, 4),
             "idle_cpu_s_per_s": {role: round(cpu / idle_s, 4)
-                                 for role, cpu in spent.items() if cpu > 0.005}}
+                                 for role, cpu in spent.items() if cpu > 0.005},
+            "idle_ray_main_threads": {
+                f"{roles[p]} ({p})": {"cpu_s_per_s": round((cpu - mains[p][0]) / idle_s, 4),
+                           "wakeups_per_s": round((woken - mains[p][1]) / idle_s, 1)}
+                for p, (cpu, woken) in mains_after.items() if p in mains}}
 
 
 def _loaded(pid: int, model: str, model_dir: str, prompts: int) -> dict:

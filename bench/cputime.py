@@ -18,6 +18,7 @@ import re
 import psutil
 
 ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def _is_engine(proc: psutil.Process) -> bool:
@@ -100,3 +101,22 @@ def kill_leftovers(tree: dict[int, tuple[bool, float]]) -> None:
             psutil.Process(pid).kill()
         except psutil.Error:
             continue
+
+
+def main_threads(pids: list[int]) -> dict[int, tuple[float, int]]:
+    """``{pid: (CPU seconds, voluntary context switches)}`` of each process's main thread (its
+    thread id is its pid). A Ray worker's main thread runs Ray's task loop, whose 10 ms signal
+    check wakes it ~100 times a second whatever the load (docs/benchmarks.md, "Ray's signal
+    check and HAProxy's threads")."""
+    out: dict[int, tuple[float, int]] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()  # after "(comm)"
+            with open(f"/proc/{pid}/task/{pid}/status") as status:
+                switches = next(int(line.split()[1]) for line in status
+                                if line.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):  # ended meanwhile
+            continue
+        out[pid] = ((int(fields[11]) + int(fields[12])) / _TICKS_PER_S, switches)
+    return out

@@ -74,3 +74,22 @@ def test_cpu_is_told_apart_by_the_role_each_process_title_names(tmp_path):
         child.kill()
     assert roles == {child.pid: "ray::ServeReplica:gateway:Ingress"}
     assert 0.35 <= by_role["ray::ServeReplica:gateway:Ingress"] < 1.5, by_role
+
+
+def test_a_main_threads_cpu_and_wakeups_are_its_own(tmp_path):
+    # The child burns 0.4 s on its main thread, then sleeps; a helper thread only sleeps.
+    script = ("import threading, time\n"
+              "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n" + BURN)
+    started = tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", script, "", str(started)])
+    try:
+        _wait_for(started)
+        before = cputime.main_threads([proc.pid])
+        time.sleep(1.0)  # the burn (0.4 s of CPU) is over
+        cpu, switches = cputime.main_threads([proc.pid])[proc.pid]
+        assert 0.3 <= cpu - before[proc.pid][0] <= 1.0
+        assert switches >= before[proc.pid][1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cputime.main_threads([proc.pid]) == {}
