@@ -78,8 +78,7 @@ HAPROXY_ENV: dict[str, str] = {
     # (docs/reliability.md).
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     # Counted where the node's Ray starts (this process): each node of a cluster its own.
-    **_haproxy_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                       else os.cpu_count() or 1),
+    **_haproxy_threads(len(os.sched_getaffinity(0))),
 }
 
 
