@@ -9,6 +9,9 @@ written to a temporary checkpoint; then, for each number of sequences:
   (``LocalStages``) through the origin's scheduler, the sequences run together as jobs.
 
 Prompt ``--prompt`` tokens, ``--steps`` greedy steps, a warm-up then the median of ``--rounds``.
+Each row also says how many sequences' greedy tokens (the warm-up's) equal the unsplit model's
+to the end, and the earliest step where one departs (bf16 kernels round differently at a
+different batch shape, so a near-tie may go the other way; fp32 should agree throughout).
 
 Usage::
 
@@ -57,8 +60,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _hf_loop(model, prompts, steps: int, device: str) -> float:
-    """Seconds for ``steps`` greedy steps of the whole batch (prefill excluded)."""
+def _hf_loop(model, prompts, steps: int, device: str) -> tuple[float, list[list[int]]]:
+    """Seconds for ``steps`` greedy steps of the whole batch (prefill excluded), and each
+    sequence's greedy tokens."""
     import torch
     from transformers import DynamicCache
 
@@ -67,20 +71,25 @@ def _hf_loop(model, prompts, steps: int, device: str) -> float:
         out = model(torch.tensor(prompts, device=device), past_key_values=cache, use_cache=True)
         _sync(device)
         start = time.perf_counter()
+        picked = []
         for _ in range(steps):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            picked.append(nxt)
             out = model(nxt, past_key_values=cache, use_cache=True)
         _sync(device)
-        return time.perf_counter() - start
+        wall = time.perf_counter() - start
+    return wall, torch.cat(picked, dim=1).tolist()
 
 
-async def _pipeline_run(origin, prompts, steps: int) -> float:
-    """Seconds from every sequence's first token to its last (prefill excluded), all together."""
+async def _pipeline_run(origin, prompts, steps: int) -> tuple[float, list[list[int]]]:
+    """Seconds from every sequence's first token to its last (prefill excluded), all together,
+    and each sequence's greedy tokens."""
     import torch
 
     from engines.pipeline.jobs import Job, Sequence
 
     firsts, lasts = [], []
+    tokens: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int, prompt: list[int]) -> None:
         seq = Sequence(seq_id=f"s{i}-{time.monotonic_ns()}", tokens=list(prompt))
@@ -92,9 +101,20 @@ async def _pipeline_run(origin, prompts, steps: int) -> float:
         stamps = [t async for t in origin.generate(Job(seq, step))]
         firsts.append(stamps[0])
         lasts.append(stamps[-1])
+        # The first token comes from the prefill, as the HF loop's first pick does.
+        tokens[i] = seq.tokens[len(prompt):len(prompt) + steps]
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return max(lasts) - min(firsts)
+    return max(lasts) - min(firsts), tokens
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> dict:
+    """How far each sequence's greedy tokens follow the unsplit model's: the sequences equal to
+    the end, and the earliest step where any sequence departs (bf16 near-ties may)."""
+    departs = [next((k for k, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
+               for g, w in zip(got, want, strict=True)]
+    firsts = [k for k in departs if k is not None]
+    return {"sequences_equal": departs.count(None), "first_departure": min(firsts, default=None)}
 
 
 def _origin(path: Path, stages: int, layers: int, dtype, device: str, batch_tokens: int):
@@ -143,12 +163,15 @@ def main() -> None:
         for n, origin in origins.items():
             targets[f"pipeline-{n}"] = (lambda p=prompts, o=origin:
                                         asyncio.run(_pipeline_run(o, p, args.steps)))
+        want = None
         for name, run in targets.items():
-            run()  # warm-up
-            wall = statistics.median(run() for _ in range(args.rounds))
+            _, tokens = run()  # warm-up
+            want = want or tokens  # the HF loop runs first
+            wall = statistics.median(run()[0] for _ in range(args.rounds))
             rows.append({"target": name, "sequences": count,
                          "ms_per_step": round(1000 * wall / args.steps, 2),
-                         "tokens_per_s": round(count * args.steps / wall, 1)})
+                         "tokens_per_s": round(count * args.steps / wall, 1),
+                         **_agreement(tokens, want)})
     by = {(r["target"], r["sequences"]): r for r in rows}
     for row in rows:
         row["vs_hf"] = round(row["tokens_per_s"] / by[("hf", row["sequences"])]["tokens_per_s"], 3)
@@ -160,10 +183,12 @@ def main() -> None:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(json.dumps(meta))
-    print(f"{'target':<12} {'seqs':>4} {'ms/step':>8} {'tok/s':>8} {'vs hf':>6}")
+    print(f"{'target':<12} {'seqs':>4} {'ms/step':>8} {'tok/s':>8} {'vs hf':>6} "
+          f"{'equal':>5} {'departs':>7}")
     for r in rows:
         print(f"{r['target']:<12} {r['sequences']:>4} {r['ms_per_step']:>8} "
-              f"{r['tokens_per_s']:>8} {r['vs_hf']:>6}")
+              f"{r['tokens_per_s']:>8} {r['vs_hf']:>6} {r['sequences_equal']:>5} "
+              f"{r['first_departure']!s:>7}")
 
 
 if __name__ == "__main__":

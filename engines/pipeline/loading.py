@@ -115,7 +115,8 @@ def _build(cfg: Any, state: dict[str, Any], dtype, keep_embed: bool, keep_norm: 
 def load_layers(model_dir: str | Path, start: int, end: int, dtype=None,
                 attn_implementation: str = "sdpa", config: Any = None):
     """The decoder layers ``[start, end)`` as a base model with no embedding and no final norm:
-    call it with ``inputs_embeds``, ``position_ids`` and a ``DynamicCache(config=model.config)``."""
+    call it with ``inputs_embeds``, ``position_ids`` and a ``DynamicCache(config=model.config)``
+    (a stage runs them through ``packed.run_layers`` instead, over its ``KVPool``)."""
     import torch
 
     config = config or load_config(model_dir)

@@ -1,4 +1,4 @@
-"""One pipeline stage: a contiguous layer range and one KV cache per live sequence.
+"""One pipeline stage: a contiguous layer range and the keys and values of every live sequence.
 
 :class:`StageCore` is plain Python + torch (tests, a bare GPU box, the origin's own layers);
 :func:`stage_actor_class` wraps it as a Ray actor. A stage sees hidden states and positions
@@ -92,8 +92,9 @@ def _u8():
 
 
 class StageCore:
-    """Layers ``[start, end)`` of a model (a sliced base model, see ``loading``) and their
-    per-sequence caches; a micro-batch runs through them as one forward (``packed``)."""
+    """Layers ``[start, end)`` of a model (a sliced base model, see ``loading``) and the keys and
+    values of every live sequence (one ``KVPool``); a micro-batch runs through them as one
+    forward (``packed``)."""
 
     def __init__(self, model, start: int, end: int, ttl_s: float = 600.0, device: str = "cpu",
                  host_hops: bool = True, metric_tags: dict[str, str] | None = None,
@@ -101,6 +102,7 @@ class StageCore:
         """``metric_tags`` (model, stage): this stage's series go to Ray's metrics (a stage
         actor's), its caches' gauges set with ``levels``; without tags nothing is recorded
         (in-process stages, the origin's layers)."""
+        from engines.pipeline.kvpool import KVPool
         from engines.pipeline.packed import use_packed_attention
 
         use_packed_attention(model)
@@ -111,7 +113,7 @@ class StageCore:
         self.host_hops = host_hops
         self.start, self.end = start, end
         self.ttl_s = ttl_s
-        self.caches: dict[str, Any] = {}
+        self.pool = KVPool()
         self.used: dict[str, float] = {}
         self._last_sweep = time.monotonic()
         self._lock = threading.Lock()  # the origin's layers run from a thread pool
@@ -132,18 +134,18 @@ class StageCore:
         started = time.perf_counter()
         with self._lock:
             self._maybe_sweep()
-            keep, caches, dropped = [], [], dict(hop.dropped)
+            keep, dropped = [], dict(hop.dropped)
             firsts = hop.firsts()
             for i, (seq_id, first) in enumerate(zip(hop.seq_ids, firsts, strict=True)):
                 try:
-                    caches.append(self._guard(seq_id, first))
+                    self._guard(seq_id, first)
                     keep.append(i)
                 except CacheMismatch as exc:
                     self._drop(seq_id)
                     dropped[seq_id] = str(exc)
             batch = hop.only(keep)
             try:
-                out = (self._layers(batch, caches, [firsts[i] for i in keep]) if keep
+                out = (self._layers(batch, [firsts[i] for i in keep]) if keep
                        else batch.hidden)
             except BaseException:
                 # A half-written cache is of no use: the origin restarts these from 0.
@@ -156,40 +158,31 @@ class StageCore:
         result = replace(batch, hidden=out, dropped=dropped)
         return result.sign() if check else result
 
-    def _layers(self, batch: Hop, caches: list[Any], firsts: list[int]):
+    def _layers(self, batch: Hop, firsts: list[int]):
         import torch
 
-        from engines.pipeline.packed import PackedCaches, run_layers
+        from engines.pipeline.packed import PooledBatch, run_layers
 
-        packed = PackedCaches(caches, list(batch.lengths), firsts)
+        lengths = list(batch.lengths)
+        for seq_id, first, length in zip(batch.seq_ids, firsts, lengths, strict=True):
+            self.pool.extend(seq_id, first + length)
+        packed = PooledBatch.build(self.pool, batch.seq_ids, lengths, firsts, batch.positions,
+                                   self.device)
         with torch.inference_mode():
-            out = run_layers(self.model, batch.hidden.to(self.device),
-                             batch.positions.to(self.device), packed)
+            out = run_layers(self.model, batch.hidden.to(self.device), packed)
             return out.cpu() if self.host_hops else out
 
-    def _guard(self, seq_id: str, first: int):
-        from transformers import DynamicCache
-
-        cache = self.caches.get(seq_id)
-        if cache is None or first == 0:
+    def _guard(self, seq_id: str, first: int) -> None:
+        cached = self.pool.length(seq_id)
+        if cached is None or first == 0:
             if first != 0:
                 raise CacheMismatch(f"{seq_id}: no cache here for position {first}")
-            cache = DynamicCache(config=self.model.config)
-        else:
-            cached = cache.get_seq_length()
-            if first > cached:
-                raise CacheMismatch(f"{seq_id}: step at {first} but {cached} cached")
-            if first < cached:
-                try:  # a negative count: what crop means on every transformers 5.x
-                    cache.crop(first - cached)
-                except Exception as exc:
-                    raise CacheMismatch(f"{seq_id}: cannot crop back to {first}") from exc
-                if cache.get_seq_length() != first:
-                    raise CacheMismatch(f"{seq_id}: crop to {first} left "
-                                        f"{cache.get_seq_length()}")
-        self.caches[seq_id] = cache
+            self.pool.start(seq_id)
+        elif first > cached:
+            raise CacheMismatch(f"{seq_id}: step at {first} but {cached} cached")
+        elif first < cached:
+            self.pool.crop(seq_id, first)
         self.used[seq_id] = time.monotonic()
-        return cache
 
     def free(self, seq_id: str) -> None:
         with self._lock:
@@ -198,7 +191,7 @@ class StageCore:
     def cached(self) -> dict[str, int]:
         """Live sequences and their cached lengths (tests, health)."""
         with self._lock:
-            return {k: c.get_seq_length() for k, c in self.caches.items()}
+            return self.pool.lengths()
 
     def cache_bytes(self) -> int:
         """Bytes of keys and values held now, every sequence (bounds, benchmarks)."""
@@ -206,15 +199,13 @@ class StageCore:
             return self._cache_bytes()
 
     def _cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for cache in self.caches.values()
-                   for layer in cache.layers for t in (layer.keys, layer.values)
-                   if t is not None and hasattr(t, "numel"))
+        return self.pool.held_bytes()
 
     def _export_cache_levels(self) -> None:
         """What the caches hold, for Ray's gauges (once a second, from the levels' thread)."""
         with self._lock:
-            held = (self._cache_bytes(), sum(c.get_seq_length() for c in self.caches.values()),
-                    len(self.caches))
+            lengths = self.pool.lengths()
+            held = (self._cache_bytes(), sum(lengths.values()), len(lengths))
         metrics = engine_metrics()
         for gauge, value in zip((metrics.pipeline_stage_kv_bytes,
                                  metrics.pipeline_stage_kv_tokens,
@@ -245,7 +236,7 @@ class StageCore:
         return len(stale)
 
     def _drop(self, seq_id: str) -> None:
-        self.caches.pop(seq_id, None)
+        self.pool.drop(seq_id)
         self.used.pop(seq_id, None)
 
 

@@ -126,20 +126,24 @@ async def test_duplicated_steps_are_cropped_and_recomputed(tmp_path):
     assert tokens == plain and origin.restarts == 0
 
 
-def test_a_lost_step_or_a_refused_crop_drops_that_sequence_only(tmp_path):
+def test_a_lost_step_drops_that_sequence_only_and_a_repeated_one_is_recomputed(tmp_path):
     path = build_tiny("qwen3-sliding", tmp_path / "m")
     core = StageCore(load_layers(path, 1, 6), 1, 6)
 
-    def hop(first: int, length: int, seq_id: str) -> Hop:
-        return Hop.single(torch.randn(1, length, 64), torch.arange(first, first + length), seq_id)
+    def hop(first: int, length: int, seq_id: str, seed: int = 0) -> Hop:
+        hidden = torch.randn(1, length, 64, generator=torch.Generator().manual_seed(seed))
+        return Hop.single(hidden, torch.arange(first, first + length), seq_id)
 
     core.forward(hop(0, 11, "s"))
     out = core.forward(hop(12, 1, "s"))  # position 11 never arrived
     assert "12 but 11 cached" in out.dropped["s"] and out.seq_ids == ()
     assert core.cached() == {}  # a dropped sequence's cache goes: the origin restarts it from 0
     core.forward(hop(0, 11, "s"))
-    core.forward(hop(11, 1, "s"))
-    assert "cannot crop" in core.forward(hop(11, 1, "s")).dropped["s"]  # sliding: past the window
+    once = core.forward(hop(11, 1, "s", seed=1)).hidden
+    # The pool keeps every position, so a sliding layer crops back past its window too.
+    again = core.forward(hop(11, 1, "s", seed=1))
+    assert again.seq_ids == ("s",) and torch.equal(again.hidden, once)
+    assert core.cached() == {"s": 12}
     assert "no cache" in core.forward(hop(5, 1, "other")).dropped["other"]
 
 
