@@ -54,9 +54,9 @@ class KVPool:
 
     def start(self, seq_id: str) -> None:
         """``seq_id`` anew, holding nothing (its old blocks, if any, back to the pool)."""
-        self.drop(seq_id)
         import torch
 
+        self.drop(seq_id)
         self.seqs[seq_id] = _Slots([], torch.zeros(0, dtype=torch.long))
 
     def crop(self, seq_id: str, length: int) -> None:

@@ -112,9 +112,9 @@ def packed_attention(inner: str, module, query, keys, values, attention_mask, *,
     kernel = _kernel(inner, module)
     options = dict(scaling=scaling, dropout=0.0, sliding_window=sliding_window)
     tokens = query[0].transpose(0, 1)  # [T, heads, head_dim]
-    out = torch.empty_like(tokens)
+    only_decode = len(packed.decode_ends) == len(packed.lengths)  # no gather, no scatter
+    out = None if only_decode else torch.empty_like(tokens)
     if packed.decode_rows is not None:
-        only_decode = len(packed.decode_ends) == len(packed.lengths)  # no gather, no scatter
         mask = packed.decode_mask(inner, sliding_window, query)
         got, _ = kernel(module, (tokens if only_decode else tokens[packed.decode_rows])[:, :, None],
                         _gather(keys, packed.decode_reads), _gather(values, packed.decode_reads),
@@ -128,8 +128,8 @@ def packed_attention(inner: str, module, query, keys, values, attention_mask, *,
             reads = packed.chunk_reads[chunk]
             mask = packed.chunk_mask(i, chunk, inner, sliding_window, query)
             got, _ = kernel(module, tokens[start:start + length].transpose(0, 1)[None],
-                            _gather(keys, reads[None])[0][None],
-                            _gather(values, reads[None])[0][None], mask, **options)
+                            _gather(keys, reads[None]), _gather(values, reads[None]), mask,
+                            **options)
             out[start:start + length] = got[0]
             chunk += 1
         start += length
