@@ -110,7 +110,8 @@ def serve_gateway(model: str, model_dir: str, overrides: dict,
 
 
 def serve_model_apps(model: str, model_dir: str, overrides: dict, count: int = 1,
-                      ingress: str | None = None, root: Path = ROOT) -> subprocess.Popen:
+                      ingress: str | None = None, root: Path = ROOT,
+                      env: dict | None = None) -> subprocess.Popen:
     """``serve_config.yaml``'s layout (the README's default): each model its own Serve
     application (``build_model_app`` at ``/model/<name>``), the gateway application naming
     them. ``count`` 2 adds a second copy of the model that idles
@@ -123,7 +124,8 @@ def serve_model_apps(model: str, model_dir: str, overrides: dict, count: int = 1
     apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
                  "args": {"models": [{**entry, "app": f"model-{i}"}
                                      for i, entry in enumerate(models)]}})
-    return serve_run(PORTS["gateway"], apps, _ray_env(ingress, PYTHONPATH=str(root)), root)
+    return serve_run(PORTS["gateway"], apps,
+                     _ray_env(ingress, PYTHONPATH=str(root), **(env or {})), root)
 
 
 def serve_before(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
@@ -176,6 +178,10 @@ STARTERS = {"bare": serve_bare, "serve-llm": serve_llm,
             "gateway-eager": _eager(serve_model_apps),
             # The same from another checkout (BENCH_BEFORE_TREE): a change's before and after.
             "gateway-before": serve_before,
+            # The default with the serving stack free to run on the engine worker's cores
+            # (engines/placement.py off).
+            "gateway-unplaced": functools.partial(serve_model_apps,
+                                                  env={"LLM_GATEWAY_PLACEMENT": "off"}),
             # Two models, each its own application (serve_config.cluster.yaml's layout).
             "gateway-two-apps": functools.partial(serve_model_apps, count=2),
             # The default before models had applications of their own: engine deployments

@@ -99,11 +99,15 @@ class EngineMetrics:
 
 
 class Levels:
-    """This process's gauge levels, set again every ``refresh_s`` seconds.
+    """This process's gauge levels, handed to Ray every ``refresh_s`` seconds.
 
     Ray exports a gauge only while its process keeps setting it: its metrics agent forgets a
     gauge not set within two report intervals, so a replica that sat idle would vanish from
-    a gauge's sum instead of reporting 0. Levels are kept here and re-set by one daemon thread.
+    a gauge's sum instead of reporting 0. Levels are kept here and set by one daemon thread.
+    A change is only recorded where it happens (two per request for the in-flight gauges):
+    Ray reports a gauge's last value every few seconds, so setting it at once showed nothing
+    more and cost a Ray call each (docs/benchmarks.md, "Placement on a fast engine, and a
+    request's own cost in the replica").
     """
 
     def __init__(self, refresh_s: float | None = 1.0):
@@ -138,7 +142,6 @@ class Levels:
             value = new(self._levels[key][2] if key in self._levels else 0)
             self._levels[key] = (gauge, tags, value)
             self._start()
-        gauge.set(value, tags=tags)
 
     def _refresh(self, every_s: float) -> None:
         while True:

@@ -153,6 +153,7 @@ class VLLMEngine:
                         binding: dict | None = None,
                         segment: Segment | None = None) -> AsyncIterator[Event]:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
+        from vllm.inputs import tokens_input
 
         try:
             params = self._sampling_params(request, max_tokens, binding)
@@ -161,8 +162,13 @@ class VLLMEngine:
             return
         request_id = request.request_id if binding is None else \
             f"{request.request_id}-s{binding['seq']}"
-        outputs = self._llm.generate({"prompt_token_ids": prompt_ids}, params,
-                                     request_id, priority=request.priority if self._priority else 0)
+        # Already tokenized (render): handed to vLLM as a rendered input, which it checks
+        # (length, vocabulary) on this loop. A bare {"prompt_token_ids": ...} is a raw prompt
+        # that vLLM renders again on a thread of its pool: a thread hop per request for no
+        # work (docs/benchmarks.md, "Placement on a fast engine, and a request's own cost in
+        # the replica").
+        outputs = self._llm.generate(tokens_input(prompt_ids), params, request_id,
+                                     priority=request.priority if self._priority else 0)
         translator = Translator(request, prompt_ids, self._special_ids, self._tokenizer,
                                 batch_size=self._llm.get_num_unfinished_requests)
         finished = False

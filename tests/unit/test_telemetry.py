@@ -215,8 +215,10 @@ def test_an_lmtp_socket_is_open_while_connected_and_its_streams_are_streamed(rec
             while '"finish_reason": "length"' not in ws.receive_text().replace(
                     '"finish_reason":"length"', '"finish_reason": "length"'):
                 pass
+            recorded.keeper.refresh()
             assert recorded.levels["llm_gateway_websockets_open"] == {
                 (("protocol", "lmtp"),): 1}
+    recorded.keeper.refresh()
     assert recorded.levels["llm_gateway_websockets_open"] == {(("protocol", "lmtp"),): 0}
     lmtp = {**OPENAI, "protocol": "lmtp"}
     assert len(recorded.observations("llm_gateway_time_to_first_token_seconds", **lmtp)) == 1
@@ -270,6 +272,7 @@ async def test_a_generation_the_client_left_is_aborted_and_no_longer_in_flight(r
         assert await anext(events) == TOKEN
     assert recorded.count("llm_gateway_requests", outcome="aborted") == 1
     assert recorded.count("llm_gateway_generation_tokens") == 1  # what it had seen
+    recorded.keeper.refresh()
     assert set(recorded.levels["llm_gateway_requests_in_flight"].values()) == {0}
 
 
@@ -301,10 +304,12 @@ def test_vllms_figures_are_summed_per_step_and_sent_once_a_second(recorded, monk
     step(finished=1, running=0)  # a request finished: sent at once
     assert recorded.count("llm_gateway_vllm_generation_tokens") == 4
     assert recorded.count("llm_gateway_vllm_requests_finished") == 1
+    stats.LEVELS.refresh()  # levels reach Ray from the levels' thread
     assert recorded.levels["llm_gateway_vllm_requests_running"] == {(("model", "m"),): 0}
     clock[0] += 1.5
     step(generated=2)  # a second later: sent
     assert recorded.count("llm_gateway_vllm_generation_tokens") == 6
+    stats.LEVELS.refresh()
     assert recorded.levels["llm_gateway_vllm_kv_cache_usage"] == {(("model", "m"),): 0.25}
 
 
