@@ -71,26 +71,16 @@ def measure(args) -> list[dict]:
                     idle = cputime.spent(before, cputime.snapshot(proc.pid))
                     idle = {f"idle_{k}": round(v / args.idle_s, 3) for k, v in idle.items()}
                     for conc in args.concurrency:
-                        prompts = args.c1_prompts if conc == 1 else max(args.num_prompts, 2 * conc)
-                        before = cputime.snapshot(proc.pid)
-                        result = run_load(PORTS[target], model, model_dir, conc, prompts,
-                                        args.backend, args.client)
-                        after = cputime.snapshot(proc.pid)
-                        cpu = cputime.spent(before, after)
-                        cpu["cpu_s_by_process"] = cputime.spent_by_role(
-                            before, after, cputime.labels(proc.pid))
                         row = {"model": model, "target": target, "round": rnd,
-                               "ready_s": ready_s,
-                               "concurrency": conc, "prompts": prompts, "client": args.client,
-                               **cpu, **idle,
-                               **{k: v for k, v in result.items()
-                                  if isinstance(v, (int, float))}}
+                               "ready_s": ready_s, **idle,
+                               **_load_row(args, proc.pid, PORTS[target], model, model_dir, conc)}
                         rows.append(row)
                         print(json.dumps({k: row[k] for k in (
                             "model", "target", "round", "ready_s", "concurrency",
-                            "output_throughput",
-                            "median_ttft_ms", "median_tpot_ms", "other_cpu_s", "engine_cpu_s",
-                            "total_output_tokens", "cpu_s_by_process")}), flush=True)
+                            "output_throughput", "median_ttft_ms", "median_tpot_ms",
+                            "other_cpu_s", "engine_cpu_s", "total_output_tokens", "pace",
+                            "steal_share", "outside_server_cpu_per_s", "cpu_s_by_process")}),
+                              flush=True)
                 finally:
                     tree = cputime.snapshot(proc.pid)
                     stop(proc)
@@ -100,6 +90,23 @@ def measure(args) -> list[dict]:
                     # processes can outlive it; none may run into the next server's turn.
                     cputime.kill_leftovers(tree)
     return rows
+
+
+def _load_row(args, pid: int, port: int, model: str, model_dir, conc: int) -> dict:
+    """One load at ``conc`` against the server whose tree is under ``pid``: the load's
+    figures, the tree's CPU (engine, the rest, by process), and the box's pace and drift
+    around it (``cputime.pace``, ``cputime.box_spent``)."""
+    prompts = args.c1_prompts if conc == 1 else max(args.num_prompts, 2 * conc)
+    pace = cputime.pace()
+    before, box_before, started = cputime.snapshot(pid), cputime.box(), time.monotonic()
+    result = run_load(port, model, model_dir, conc, prompts, args.backend, args.client)
+    after, box_after = cputime.snapshot(pid), cputime.box()
+    cpu = cputime.spent(before, after)
+    box = cputime.box_spent(box_before, box_after, cpu["engine_cpu_s"] + cpu["other_cpu_s"],
+                            time.monotonic() - started)
+    cpu["cpu_s_by_process"] = cputime.spent_by_role(before, after, cputime.labels(pid))
+    return {"concurrency": conc, "prompts": prompts, "client": args.client, "pace": pace,
+            **box, **cpu, **{k: v for k, v in result.items() if isinstance(v, (int, float))}}
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -120,8 +127,8 @@ def summarize(rows: list[dict], args) -> str:
         lines += [f"### {model}", "",
                   "| c | server | output tok/s (rounds) | mean | vs bare | TTFT p50 ms | "
                   "TPOT p50 ms | CPU s / 1k tok outside engine | engine CPU s / 1k tok | "
-                  "idle CPU s/s outside engine |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "idle CPU s/s outside engine | box pace, M turns/s (rounds) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         mine = [r for r in rows if r["model"] == model]
         for conc in sorted({r["concurrency"] for r in mine}):
             picked = {t: [r for r in mine if r["target"] == t and r["concurrency"] == conc]
@@ -142,11 +149,17 @@ def summarize(rows: list[dict], args) -> str:
                 lines.append(f"| {conc} | {target} | {rounds} | {tput:.1f} | {ratio} | {ttft_s} "
                              f"| {tpot_s} | {_per_1k(got, 'other_cpu_s'):.2f} | "
                              f"{_per_1k(got, 'engine_cpu_s'):.2f} | "
-                             f"{statistics.fmean(r.get('idle_other_cpu_s', nan) for r in got):.2f} |")
+                             f"{statistics.fmean(r.get('idle_other_cpu_s', nan) for r in got):.2f} | "
+                             f"{_paces(got)} |")
         lines.append("")
     failed = sum(r.get("failed", 0) for r in rows)
     lines.append(f"Failed requests: {failed}. Machine: {machine()}.")
     return "\n".join(lines)
+
+
+def _paces(rows: list[dict]) -> str:
+    # Rows from before the box's pace was read have none.
+    return ", ".join(f"{r['pace']:.0f}" for r in rows if "pace" in r) or "-"
 
 
 def _clients(rows: list[dict]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import psutil
 
@@ -92,6 +93,39 @@ def spent_by_role(before: dict[int, tuple[bool, float]], after: dict[int, tuple[
         role = roles.get(pid, "?")
         out[role] = out.get(role, 0.0) + cpu - before.get(pid, (is_engine, 0.0))[1]
     return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def box() -> dict[str, float]:
+    """The whole box's CPU seconds since boot by kind (``/proc/stat``: user, system, idle,
+    steal, ...), summed over its CPUs."""
+    return psutil.cpu_times()._asdict()
+
+
+def box_spent(before: dict[str, float], after: dict[str, float], server_cpu_s: float,
+              wall_s: float) -> dict[str, float]:
+    """What the box did around one measurement, to tell the box's drift from the server's:
+    the share of its CPU time a hypervisor gave other guests (``steal``), and the CPU seconds
+    per second that processes outside the server's tree spent (the load generator, anything
+    left running). Either moving between rounds moves every server's speed, whatever its
+    code (docs/benchmarks.md, "Telling the box's drift from the server's")."""
+    delta = {k: after[k] - before[k] for k in after}
+    total = sum(delta.values()) or 1.0
+    busy = total - delta.get("idle", 0.0) - delta.get("iowait", 0.0) - delta.get("steal", 0.0)
+    return {"steal_share": round(delta.get("steal", 0.0) / total, 4),
+            "outside_server_cpu_per_s": round(max(busy - server_cpu_s, 0.0) / wall_s, 3)}
+
+
+def pace(seconds: float = 0.3) -> float:
+    """Fixed pure-Python work done in ``seconds`` of wall time on one thread, in millions of
+    loop turns a second: the box's speed right now, read while a server idles. A drop
+    between rounds that the server's code cannot explain is the box's (a neighbour sharing
+    its caches or memory, a clock that moved), and a process's CPU per token drops with it."""
+    turns, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10_000):
+            pass
+        turns += 10_000
+    return round(turns / seconds / 1e6, 2)
 
 
 def kill_leftovers(tree: dict[int, tuple[bool, float]]) -> None:

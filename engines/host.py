@@ -16,7 +16,7 @@ from contextlib import aclosing
 from typing import TypeVar
 
 from engines.admission import Refused, admit, check_prompt_size, check_request, prompt_chars
-from engines.base import Engine, PromptError, ReferenceEngine, ReferenceOutput
+from engines.base import Admitted, Engine, PromptError, ReferenceEngine, ReferenceOutput
 from engines.offload import Busy, Offload
 from engines.telemetry import LEVELS, engine_metrics
 from protocols.internal import (
@@ -115,28 +115,31 @@ class EngineHost:
             raise NotImplementedError(f"the {self.info.engine} engine has no reference decoder")
         return await self.engine.reference_greedy(prompt, max_tokens)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def _admit(self, request: GenerateRequest) -> Admitted | ErrorEvent:
+        """The request checked and its prompt rendered within its deadline, or the error event
+        that refuses it: the stream then holds that event alone."""
         try:
             check_request(request, self.info)
             async with asyncio.timeout(request.timeout_s):  # the deadline covers the wait
-                admitted = admit(request, await self._render(request.prompt), self.info)
+                return admit(request, await self._render(request.prompt), self.info)
         except TimeoutError:
-            yield ErrorEvent(kind="overloaded", message="the deadline passed while the prompt "
-                             "waited to be tokenized; retry later")
-            return
+            return ErrorEvent(kind="overloaded", message="the deadline passed while the prompt "
+                              "waited to be tokenized; retry later")
         except Refused as exc:
-            yield exc.event()
-            return
+            return exc.event()
         except Busy:
-            yield ErrorEvent(kind="overloaded", message="the engine is busy tokenizing large "
-                             "prompts; retry later")
-            return
+            return ErrorEvent(kind="overloaded", message="the engine is busy tokenizing large "
+                              "prompts; retry later")
         except PromptError as exc:
-            yield ErrorEvent(kind="validation", message=f"invalid prompt: {exc}", param="prompt")
-            return
+            return ErrorEvent(kind="validation", message=f"invalid prompt: {exc}", param="prompt")
         except Exception:  # a broken tokenizer is the engine's failure, still an event
             log.exception("rendering %s failed", request.request_id)
-            yield _failure(request.request_id)
+            return _failure(request.request_id)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        admitted = await self._admit(request)
+        if isinstance(admitted, ErrorEvent):
+            yield admitted
             return
         request_id = request.request_id
         self.active.add(request_id)

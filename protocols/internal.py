@@ -33,12 +33,11 @@ from protocols.tool_markup import ToolCall, ToolDefinition
 
 __all__ = [
     "BacktrackEvent", "Capabilities", "ChatMessage", "ChatPrompt", "ControllerSpec", "ControllerTag",
-    "DEADLOCK", "ControllerSupport", "EngineStats", "ErrorEvent", "EngineUnavailable", "ErrorKind",
-    "Event", "FinalEvent", "FinishReason", "ForkEvent", "GenerateRequest", "InvalidPrompt", "ModelInfo",
+    "DEADLOCK", "ControllerSupport", "EngineStats", "ErrorEvent", "EngineUnavailable", "ErrorKind", "Event",
+    "FinalEvent", "FinishReason", "ForkEvent", "GenerateRequest", "InvalidPrompt", "ModelInfo",
     "ModelNotFound", "ModelRequired", "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "Sampling",
-    "SpliceSupport", "TextPrompt", "Timings", "TokenEvent", "TokenPrompt", "ToolCall",
-    "ToolDefinition", "TopLogprob", "Usage", "as_error", "decode_events", "encode_events",
-    "splice_allowed", "splice_refusal"
+    "SpliceSupport", "TextPrompt", "Timings", "TokenEvent", "TokenPrompt", "ToolCall", "ToolDefinition",
+    "TopLogprob", "Usage", "as_error", "decode_events", "encode_events", "splice_allowed", "splice_refusal",
 ]
 
 
@@ -298,9 +297,8 @@ def as_error(event: ErrorEvent | BacktrackEvent | ForkEvent) -> ErrorEvent:
 def splice_refusal(event: BacktrackEvent | ForkEvent) -> ErrorEvent:
     """The error that ends a stream whose consumer cannot render ``event``."""
     what = "withdrew tokens" if isinstance(event, BacktrackEvent) else "forked into a new choice"
-    return ErrorEvent(kind="validation", param="controller", message=(
-        f"the controller {what}, which this response cannot show; send the request without "
-        f"streaming"))
+    return ErrorEvent(kind="validation", param="controller", message=f"the controller {what}, "
+                      "which this response cannot show; send the request without streaming")
 
 
 # --- models and what their engines can do ---------------------------------------------------

@@ -240,6 +240,25 @@ class StageCore:
         self.used.pop(seq_id, None)
 
 
+def _load_stage_layers(model_dir: str, start: int, end: int, dtype: str,
+                       attn_implementation: str, threads: int | None, device: str,
+                       cpu_kernels: str):
+    """Layers ``[start, end)`` of the checkpoint on ``device``, packed for oneDNN where
+    ``cpu_kernels`` asks and the device and dtype allow (docs/benchmarks.md, "Packed
+    weights")."""
+    import torch
+
+    from engines.pipeline.kernels import pack_linears, packs
+    from engines.pipeline.loading import load_layers
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_layers(model_dir, start, end, getattr(torch, dtype), attn_implementation)
+    if packs(cpu_kernels, device, model.dtype):
+        pack_linears(model)
+    return model.to(device)
+
+
 def stage_actor_class():
     """The Ray actor class hosting one :class:`StageCore` (imported lazily: no Ray at import).
     Hops reach it over the stage channel (``engines.pipeline.wire``), not as Ray calls; its Ray
@@ -260,22 +279,14 @@ def stage_actor_class():
                      device: str = "cpu", metric_tags: dict[str, str] | None = None,
                      cpu_kernels: str = "packed", secret: str = ""):
             from engines import placement
+            from engines.pipeline.wire import StageServer
 
             # Computes: not moved off an engine's cores, and on every CPU again (a worker forked
             # from a raylet that was moved starts on the serving CPUs only).
             placement.claim()
-            import torch
-
-            from engines.pipeline.kernels import pack_linears, packs
-            from engines.pipeline.loading import load_layers
-            from engines.pipeline.wire import StageServer
-
-            if threads:
-                torch.set_num_threads(threads)
-            model = load_layers(model_dir, start, end, getattr(torch, dtype), attn_implementation)
-            if packs(cpu_kernels, device, model.dtype):
-                pack_linears(model)
-            self.core = StageCore(model.to(device), start, end, ttl_s, device,
+            model = _load_stage_layers(model_dir, start, end, dtype, attn_implementation,
+                                       threads, device, cpu_kernels)
+            self.core = StageCore(model, start, end, ttl_s, device,
                                   metric_tags=metric_tags)
             self.server = StageServer(self.core, secret, ray.util.get_node_ip_address())
             self._forever = threading.Event()

@@ -93,3 +93,17 @@ def test_a_main_threads_cpu_and_wakeups_are_its_own(tmp_path):
         proc.kill()
         proc.wait()
     assert cputime.main_threads([proc.pid]) == {}
+
+
+def test_the_box_reading_tells_steal_apart_from_the_cpu_outside_the_server():
+    before = {"user": 10.0, "system": 0.0, "idle": 10.0, "iowait": 0.0, "steal": 0.0}
+    after = {"user": 13.0, "system": 1.0, "idle": 14.0, "iowait": 0.0, "steal": 2.0}
+    # 10 s of the box's CPU time: 4 busy (1 of them the server's), 4 idle, 2 stolen, over 2 s.
+    got = cputime.box_spent(before, after, server_cpu_s=1.0, wall_s=2.0)
+    assert got == {"steal_share": 0.2, "outside_server_cpu_per_s": 1.5}
+
+
+def test_the_box_reading_since_boot_has_every_kind_the_split_needs():
+    reading = cputime.box()
+    assert {"user", "system", "idle"} <= reading.keys()
+    assert cputime.pace(0.05) > 0
