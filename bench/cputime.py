@@ -22,12 +22,22 @@ ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def _is_engine(proc: psutil.Process) -> bool:
+def _engine_title(proc: psutil.Process) -> str | None:
+    """The vLLM title of an engine process, else None. setproctitle rewrites the command line
+    and the kernel's 15-character name; a run read some engine processes' command lines as
+    plain ``python``, so the name counts too."""
     try:
-        title = " ".join(proc.cmdline())  # setproctitle rewrites the command line
+        words = proc.cmdline()  # setproctitle rewrites the command line
+        name = proc.name()
     except psutil.Error:
-        return False
-    return title.startswith(ENGINE_TITLES)
+        return None
+    title = " ".join(words)
+    return next((t for t in ENGINE_TITLES
+                 if title.startswith(t) or (name.startswith("VLLM::") and t.startswith(name))), None)
+
+
+def _is_engine(proc: psutil.Process) -> bool:
+    return _engine_title(proc) is not None
 
 
 def snapshot(root_pid: int) -> dict[int, tuple[bool, float]]:
@@ -65,11 +75,14 @@ def spent(before: dict[int, tuple[bool, float]],
 def _label(proc: psutil.Process) -> str:
     """A process's role in a short name: its title as setproctitle left it (Ray names a replica
     ``ray::ServeReplica:<app>:<deployment>``), else its program and script without paths."""
+    engine = _engine_title(proc)
+    if engine is not None:
+        return engine
     try:
         words = proc.cmdline() or [proc.name()]
     except psutil.Error:
         return "?"
-    if words[0].startswith(("ray::", "VLLM::")):
+    if words[0].startswith("ray::"):
         return re.sub(r"\s.*", "", words[0])
     shown = [os.path.basename(w) for w in words[:3] if not w.startswith("-")]
     return " ".join(shown)[:60] or "?"
