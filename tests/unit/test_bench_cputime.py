@@ -107,3 +107,17 @@ def test_the_box_reading_since_boot_has_every_kind_the_split_needs():
     reading = cputime.box()
     assert {"user", "system", "idle"} <= reading.keys()
     assert cputime.pace(0.05) > 0
+
+
+def test_an_engine_process_named_only_in_the_kernel_still_counts_as_the_engine(tmp_path):
+    # Its command line stays `python -c ...`; only the kernel's 15-character name is vLLM's.
+    ready = tmp_path / "named"
+    code = ("import sys, time\nopen('/proc/self/comm', 'w').write('VLLM::EngineCore')\n"
+            "open(sys.argv[1], 'w').close()\ntime.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(ready)])
+    try:
+        _wait_for(ready)
+        assert cputime.snapshot(child.pid)[child.pid][0] is True
+        assert cputime.labels(child.pid)[child.pid] == "VLLM::EngineCore"
+    finally:
+        child.kill()
