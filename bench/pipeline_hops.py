@@ -212,8 +212,13 @@ def main() -> None:
                          "round": rnd, "ms_per_token": round(ms, 3)})
             print(json.dumps(rows[-1]), flush=True)
     ray.shutdown()
+    _report(rows, args.packed)
+
+
+def _report(rows: list[dict], packed: bool) -> None:
+    """The box and settings, then each way's median over the rounds."""
     print(json.dumps({"cpu_flags": _cpu_flags(), "dtype": "float32", "threads": 1,
-                      "packed": args.packed}))
+                      "packed": packed}))
     for name in dict.fromkeys(r["way"] for r in rows):
         got = [r["ms_per_token"] for r in rows if r["way"] == name]
         if isinstance(got[0], list):

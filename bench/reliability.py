@@ -109,6 +109,22 @@ def table(results: dict) -> str:
 
 def findings(results: dict) -> list[str]:
     """What looks wrong, read off the figures."""
+    out = [*_load_findings(results), *_fault_findings(results)]
+    for scenario, before, after in (
+            ("soak", "ingress_rss_mb_before", "ingress_rss_mb_after"),
+            ("lmtp_flood", "ingress_rss_mb_before", "ingress_rss_mb_10s_after_close"),
+            ("slow_reader", "ingress_rss_mb_before", "ingress_rss_mb_after")):
+        figures = results.get(scenario, {})
+        if figures.get(before) and figures.get(after) and figures[after] - figures[before] > 50:
+            out.append(f"{scenario}: ingress RSS {figures[before]} → {figures[after]} MB")
+    for scenario, figures in results.items():
+        if isinstance(figures, dict) and "error" in figures and scenario != "disconnect":
+            out.append(f"{scenario}: the scenario failed: {figures['error']}")
+    return out
+
+
+def _load_findings(results: dict) -> list[str]:
+    """What looks wrong in the soak, the disconnects and the overload bursts."""
     out = []
     soak_ = results.get("soak", {})
     for key in ("5xx", "hangs"):
@@ -123,20 +139,33 @@ def findings(results: dict) -> list[str]:
         if "error" in row or row.get("aborted_after_s") is None or row.get("active_back_after_s") is None:
             out.append(f"disconnect/{name}: not aborted within 30 s ({row})")
     for burst in ("streams", "plain"):
-        b = results.get("overload", {}).get(burst, {})
-        if b.get("500s") or b.get("5xx_other_than_503"):
-            out.append(f"overload/{burst}: statuses {b['statuses']}")
-        if any(s not in ("200", "429", "503") for s in b.get("statuses", {})):
-            out.append(f"overload/{burst}: unexpected outcomes {b['statuses']}")
-        if b.get("incomplete_200"):
-            out.append(f"overload/{burst}: {b['incomplete_200']} 200 responses incomplete")
-        if any(v["without"] for v in b.get("retry_after", {}).values()):
-            out.append(f"overload/{burst}: refusals without Retry-After {b['retry_after']}")
-        if b.get("refusals_not_in_shape"):
-            out.append(f"overload/{burst}: {b['refusals_not_in_shape']} refusals not in OpenAI's "
-                       f"shape, e.g. {b.get('other_bodies')}")
-        if set(b.get("health_during", {}).get("statuses", {})) - {"200"}:
-            out.append(f"overload/{burst}: /health during the burst {b['health_during']}")
+        out += _overload_findings(burst, results.get("overload", {}).get(burst, {}))
+    if results.get("overload", {}).get("old_engine_processes_alive_after_redeploy"):
+        out.append("overload: the replaced engine's processes were still alive after the redeploy")
+    return out
+
+
+def _overload_findings(burst: str, b: dict) -> list[str]:
+    out = []
+    if b.get("500s") or b.get("5xx_other_than_503"):
+        out.append(f"overload/{burst}: statuses {b['statuses']}")
+    if any(s not in ("200", "429", "503") for s in b.get("statuses", {})):
+        out.append(f"overload/{burst}: unexpected outcomes {b['statuses']}")
+    if b.get("incomplete_200"):
+        out.append(f"overload/{burst}: {b['incomplete_200']} 200 responses incomplete")
+    if any(v["without"] for v in b.get("retry_after", {}).values()):
+        out.append(f"overload/{burst}: refusals without Retry-After {b['retry_after']}")
+    if b.get("refusals_not_in_shape"):
+        out.append(f"overload/{burst}: {b['refusals_not_in_shape']} refusals not in OpenAI's "
+                   f"shape, e.g. {b.get('other_bodies')}")
+    if set(b.get("health_during", {}).get("statuses", {})) - {"200"}:
+        out.append(f"overload/{burst}: /health during the burst {b['health_during']}")
+    return out
+
+
+def _fault_findings(results: dict) -> list[str]:
+    """What looks wrong in the LMTP flood, the slow reader and the replica's death."""
+    out = []
     flood = results.get("lmtp_flood", {})
     if flood.get("unanswered") or flood.get("other_errors"):
         out.append(f"lmtp_flood: {flood.get('unanswered')} unanswered, "
@@ -146,13 +175,6 @@ def findings(results: dict) -> list[str]:
                  or slow.get("complete_streams") != slow.get("streams")):
         out.append(f"slow_reader: {slow.get('complete_streams')}/{slow.get('streams')} streams "
                    f"complete, usable after: {slow.get('socket_usable_after')}")
-    for scenario, before, after in (
-            ("soak", "ingress_rss_mb_before", "ingress_rss_mb_after"),
-            ("lmtp_flood", "ingress_rss_mb_before", "ingress_rss_mb_10s_after_close"),
-            ("slow_reader", "ingress_rss_mb_before", "ingress_rss_mb_after")):
-        figures = results.get(scenario, {})
-        if figures.get(before) and figures.get(after) and figures[after] - figures[before] > 50:
-            out.append(f"{scenario}: ingress RSS {figures[before]} → {figures[after]} MB")
     death = results.get("replica_death", {})
     for name, row in death.get("streams", {}).items():
         if not str(row.get("outcome", "")).startswith("error"):
@@ -162,11 +184,6 @@ def findings(results: dict) -> list[str]:
     if death.get("old_engine_processes_alive"):
         out.append(f"replica_death: killed engine's processes still alive "
                    f"{death['old_engine_processes_alive']}")
-    if results.get("overload", {}).get("old_engine_processes_alive_after_redeploy"):
-        out.append("overload: the replaced engine's processes were still alive after the redeploy")
-    for scenario, figures in results.items():
-        if isinstance(figures, dict) and "error" in figures and scenario != "disconnect":
-            out.append(f"{scenario}: the scenario failed: {figures['error']}")
     return out
 
 

@@ -128,76 +128,88 @@ async def soak(ctx: Context, scale: Scale) -> dict:
     examples: list[dict] = []
     deadline = time.monotonic() + scale.soak_s
     rss_before = ingress_rss_mb()
-
-    async def client(w: int, c: httpx.AsyncClient) -> None:
-        ws, stream_id, k = None, 0, 0
-        try:
-            while time.monotonic() < deadline:
-                name = SOAK_PATHS[(w + k) % len(SOAK_PATHS)]
-                i = (3 * w + k) % len(PROMPTS)
-                k += 1
-                row = per[name]
-                row["requests"] += 1
-                started = time.monotonic()
-                try:
-                    if name == "lmtp":
-                        if ws is None:
-                            ws = await ws_connect(ctx.url)
-                        stream_id += 1
-                        call = _lmtp_text(c, ws, stream_id, ctx.prompt_ids[i])
-                    else:
-                        call = http_text(c, name, PROMPTS[i], MAX_TOKENS)
-                    text = await asyncio.wait_for(call, CLIENT_TIMEOUT_S)
-                except (TimeoutError, httpx.TimeoutException):
-                    row["hangs"] += 1
-                    row["errors"]["hang"] += 1
-                    if ws is not None and name == "lmtp":
-                        await ws.close()
-                        ws = None
-                    continue
-                except Failed as exc:
-                    row["errors"][str(exc.kind)] += 1
-                    if len(examples) < 10:
-                        examples.append({"path": name, "kind": str(exc.kind), "detail": exc.detail})
-                    continue
-                except (httpx.HTTPError, OSError, websockets.WebSocketException, ValueError) as exc:
-                    row["errors"][type(exc).__name__] += 1
-                    if name == "lmtp" and ws is not None:
-                        with contextlib.suppress(Exception):
-                            await ws.close()
-                        ws = None
-                    continue
-                row["completed"] += 1
-                row["latencies"].append(time.monotonic() - started)
-                want = ctx.expected["chat" if name == "chat" else "completion"]
-                if text != want[i]:
-                    row["cross_wired"] += 1
-                    kind = _mismatch_kind(text, i, want)
-                    kinds[kind] += 1
-                    if len(examples) < 10:
-                        examples.append({"path": name, "prompt": i, "kind": kind, "got": text,
-                                         "want": want[i]})
-        finally:
-            if ws is not None:
-                with contextlib.suppress(Exception):
-                    await ws.close()
-
     started = time.monotonic()
     async with http_client(ctx.url, scale.soak_clients + 8) as c:
-        await asyncio.gather(*(client(w, c) for w in range(scale.soak_clients)))
+        await asyncio.gather(*(_soak_client(ctx, w, c, deadline, per, kinds, examples)
+                               for w in range(scale.soak_clients)))
         elapsed = time.monotonic() - started
         idle_s = await until_idle(c)
         final_stats = await engine_stats(c)
-    rows = {}
-    for name, row in per.items():
-        rows[name] = {"requests": row["requests"], "completed": row["completed"],
-                      "errors": dict(row["errors"]), "hangs": row["hangs"],
-                      "cross_wired": row["cross_wired"],
-                      "p50_s": percentile(row["latencies"], 50), "p99_s": percentile(row["latencies"], 99)}
+    return {"clients": scale.soak_clients, "seconds": round(elapsed, 1),
+            **_soak_totals(per, kinds, elapsed), "engine_idle_after_s": idle_s,
+            "engine_stats_after": final_stats, "ingress_rss_mb_before": rss_before,
+            "ingress_rss_mb_after": ingress_rss_mb(), "examples": examples}
+
+
+async def _soak_client(ctx: Context, w: int, c: httpx.AsyncClient, deadline: float,
+                       per: dict[str, dict], kinds: Counter, examples: list[dict]) -> None:
+    """One soak client: path after path until ``deadline``, each answer tallied in ``per``."""
+    ws, stream_id, k = None, 0, 0
+    try:
+        while time.monotonic() < deadline:
+            name = SOAK_PATHS[(w + k) % len(SOAK_PATHS)]
+            i = (3 * w + k) % len(PROMPTS)
+            k += 1
+            row = per[name]
+            row["requests"] += 1
+            started = time.monotonic()
+            try:
+                if name == "lmtp":
+                    if ws is None:
+                        ws = await ws_connect(ctx.url)
+                    stream_id += 1
+                    call = _lmtp_text(c, ws, stream_id, ctx.prompt_ids[i])
+                else:
+                    call = http_text(c, name, PROMPTS[i], MAX_TOKENS)
+                text = await asyncio.wait_for(call, CLIENT_TIMEOUT_S)
+            except (TimeoutError, httpx.TimeoutException):
+                row["hangs"] += 1
+                row["errors"]["hang"] += 1
+                if name == "lmtp":  # the next LMTP request opens a new socket
+                    ws = await _dropped(ws)
+                continue
+            except Failed as exc:
+                row["errors"][str(exc.kind)] += 1
+                if len(examples) < 10:
+                    examples.append({"path": name, "kind": str(exc.kind), "detail": exc.detail})
+                continue
+            except (httpx.HTTPError, OSError, websockets.WebSocketException, ValueError) as exc:
+                row["errors"][type(exc).__name__] += 1
+                if name == "lmtp":  # the next LMTP request opens a new socket
+                    ws = await _dropped(ws)
+                continue
+            row["completed"] += 1
+            row["latencies"].append(time.monotonic() - started)
+            want = ctx.expected["chat" if name == "chat" else "completion"]
+            if text != want[i]:
+                row["cross_wired"] += 1
+                kind = _mismatch_kind(text, i, want)
+                kinds[kind] += 1
+                if len(examples) < 10:
+                    examples.append({"path": name, "prompt": i, "kind": kind, "got": text,
+                                     "want": want[i]})
+    finally:
+        await _dropped(ws)
+
+
+async def _dropped(ws) -> None:
+    """Close an LMTP websocket that failed or that the client is done with: None, its
+    replacement until the next LMTP request opens one."""
+    if ws is not None:
+        with contextlib.suppress(Exception):
+            await ws.close()
+
+
+def _soak_totals(per: dict[str, dict], kinds: Counter, elapsed: float) -> dict:
+    """The soak's figures over every path, and per path."""
+    rows = {name: {"requests": row["requests"], "completed": row["completed"],
+                   "errors": dict(row["errors"]), "hangs": row["hangs"],
+                   "cross_wired": row["cross_wired"], "p50_s": percentile(row["latencies"], 50),
+                   "p99_s": percentile(row["latencies"], 99)}
+            for name, row in per.items()}
     latencies = [t for row in per.values() for t in row["latencies"]]
     errors: Counter = sum((Counter(row["errors"]) for row in per.values()), Counter())
     return {
-        "clients": scale.soak_clients, "seconds": round(elapsed, 1),
         "requests": sum(r["requests"] for r in rows.values()),
         "completed": sum(r["completed"] for r in rows.values()),
         "errors": dict(errors),
@@ -206,10 +218,7 @@ async def soak(ctx: Context, scale: Scale) -> dict:
         "cross_wired": sum(r["cross_wired"] for r in rows.values()),
         "cross_wired_kinds": dict(kinds),
         "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99),
-        "requests_per_s": round(len(latencies) / elapsed, 2),
-        "engine_idle_after_s": idle_s, "engine_stats_after": final_stats,
-        "ingress_rss_mb_before": rss_before, "ingress_rss_mb_after": ingress_rss_mb(),
-        "per_path": rows, "examples": examples,
+        "requests_per_s": round(len(latencies) / elapsed, 2), "per_path": rows,
     }
 
 

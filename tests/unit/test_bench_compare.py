@@ -137,3 +137,27 @@ def test_every_bench_script_imports():
     assert "bursts" in scripts and len(scripts) > 10
     for name in scripts:
         importlib.import_module(f"bench.{name}")
+
+
+def test_the_reliability_bench_reads_what_is_wrong_off_every_scenario():
+    from bench import reliability
+
+    clean = {"soak": {"engine_idle_after_s": 0.5, "ingress_rss_mb_before": 300,
+                      "ingress_rss_mb_after": 310},
+             "overload": {"streams": {"statuses": {"200": 90, "429": 10},
+                                      "retry_after": {"429": {"with": 10, "without": 0}}}},
+             "replica_death": {"streams": {"openai": {"outcome": "error in shape"}},
+                               "recovered_after_s": 40.0}}
+    assert reliability.findings(clean) == []
+    broken = {"soak": {"5xx": 2, "engine_idle_after_s": None},
+              "overload": {"plain": {"statuses": {"200": 5, "500": 1}, "500s": 1,
+                                     "retry_after": {"503": {"with": 0, "without": 3}}}},
+              "slow_reader": {"streams": 64, "complete_streams": 60, "socket_usable_after": True},
+              "replica_death": {"streams": {"tgi": {"outcome": "hang"}}, "recovered_after_s": None},
+              "lmtp_flood": {"error": "the socket closed"}}
+    found = reliability.findings(broken)
+    for expected in ("soak: 2 5xx", "soak: the engine still had requests in flight",
+                     "overload/plain: statuses", "overload/plain: unexpected outcomes",
+                     "overload/plain: refusals without Retry-After", "slow_reader: 60/64",
+                     "replica_death/tgi", "replica_death: no 200", "lmtp_flood: the scenario failed"):
+        assert any(line.startswith(expected) for line in found), (expected, found)
