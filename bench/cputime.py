@@ -132,7 +132,7 @@ def pace(seconds: float = 0.3) -> float:
     """Fixed pure-Python work done in ``seconds`` of wall time on one thread, in millions of
     loop turns a second: the box's speed right now, read while a server idles. A drop
     between rounds that the server's code cannot explain is the box's (a neighbour sharing
-    its caches or memory, a clock that moved), and a process's CPU per token drops with it."""
+    its caches or memory, a clock that moved): every process's CPU per token rises as it drops."""
     turns, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         for _ in range(10_000):
