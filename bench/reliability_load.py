@@ -166,7 +166,8 @@ async def _soak_client(ctx: Context, w: int, c: httpx.AsyncClient, deadline: flo
                 row["hangs"] += 1
                 row["errors"]["hang"] += 1
                 if name == "lmtp":  # the next LMTP request opens a new socket
-                    ws = await _dropped(ws)
+                    await _close_quietly(ws)
+                    ws = None
                 continue
             except Failed as exc:
                 row["errors"][str(exc.kind)] += 1
@@ -176,7 +177,8 @@ async def _soak_client(ctx: Context, w: int, c: httpx.AsyncClient, deadline: flo
             except (httpx.HTTPError, OSError, websockets.WebSocketException, ValueError) as exc:
                 row["errors"][type(exc).__name__] += 1
                 if name == "lmtp":  # the next LMTP request opens a new socket
-                    ws = await _dropped(ws)
+                    await _close_quietly(ws)
+                    ws = None
                 continue
             row["completed"] += 1
             row["latencies"].append(time.monotonic() - started)
@@ -189,12 +191,12 @@ async def _soak_client(ctx: Context, w: int, c: httpx.AsyncClient, deadline: flo
                     examples.append({"path": name, "prompt": i, "kind": kind, "got": text,
                                      "want": want[i]})
     finally:
-        await _dropped(ws)
+        await _close_quietly(ws)
 
 
-async def _dropped(ws) -> None:
-    """Close an LMTP websocket that failed or that the client is done with: None, its
-    replacement until the next LMTP request opens one."""
+async def _close_quietly(ws) -> None:
+    """Close an LMTP websocket, if any, that failed or that the client is done with; a close
+    that fails too has nothing left to tell."""
     if ws is not None:
         with contextlib.suppress(Exception):
             await ws.close()
