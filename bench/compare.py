@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from math import nan
@@ -47,7 +46,7 @@ from bench.servers import (
     models,
     start_hog,
     stop,
-    venv_bin,
+    stop_tree,
     wait_ready,
 )
 
@@ -82,13 +81,7 @@ def measure(args) -> list[dict]:
                             "steal_share", "outside_server_cpu_per_s", "cpu_s_by_process")}),
                               flush=True)
                 finally:
-                    tree = cputime.snapshot(proc.pid)
-                    stop(proc)
-                    if target != "bare":
-                        subprocess.run([venv_bin("ray"), "stop", "--force"], capture_output=True)
-                    # `ray stop --force` kills replicas, and a killed replica's vLLM engine
-                    # processes can outlive it; none may run into the next server's turn.
-                    cputime.kill_leftovers(tree)
+                    stop_tree(proc, target)
     return rows
 
 

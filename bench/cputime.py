@@ -141,6 +141,30 @@ def pace(seconds: float = 0.3) -> float:
     return round(turns / seconds / 1e6, 2)
 
 
+def schedstat(pids: list[int]) -> dict[int, tuple[float, float]]:
+    """``{pid: (seconds on a CPU, seconds runnable but waiting for one)}`` of each process,
+    summed over its threads (``/proc/<pid>/task/<tid>/schedstat``). A thread that busy-waits
+    with ``sched_yield``, as vLLM's processes do on their shared-memory queues for a second
+    after each read, stays runnable throughout: its wait is then time others ran, not a delay of
+    its work, and its CPU is partly the wait itself (docs/benchmarks.md, "vLLM's busy wait")."""
+    out: dict[int, tuple[float, float]] = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # ended meanwhile
+            continue
+        cpu = wait = 0
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                    on_cpu, waiting = stat.read().split()[:2]
+            except (OSError, ValueError):  # a thread that just ended
+                continue
+            cpu, wait = cpu + int(on_cpu), wait + int(waiting)
+        out[pid] = (cpu / 1e9, wait / 1e9)
+    return out
+
+
 def kill_leftovers(tree: dict[int, tuple[bool, float]]) -> None:
     """SIGKILL whatever of an earlier snapshot's processes still runs."""
     for pid in tree:

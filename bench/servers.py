@@ -66,6 +66,20 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def stop_tree(proc: subprocess.Popen, target: str) -> None:
+    """Stop a server a starter began, and everything it left: Ray for every target but bare
+    (``ray stop --force`` kills the replicas), then whatever of its tree still runs, since a
+    killed replica's vLLM engine processes can outlive it and none may run into the next
+    server's turn."""
+    from bench import cputime
+
+    tree = cputime.snapshot(proc.pid)
+    stop(proc)
+    if target != "bare":
+        subprocess.run([venv_bin("ray"), "stop", "--force"], capture_output=True)
+    cputime.kill_leftovers(tree)
+
+
 def serve_bare(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
     # Exactly the engine args the gateway's replica resolves for this machine.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,

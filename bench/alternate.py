@@ -1,0 +1,234 @@
+"""One running server, one setting of vLLM's scheduler process changed between loads: what the
+setting does, without the box's drift between server starts.
+
+bench/compare.py starts every server afresh each round, and rounds of the same server have read
+up to a third apart on these boxes (docs/benchmarks.md, "Telling the box's drift from the
+server's"). Here one server stays up, and the CPUs or the niceness of its ``VLLM::EngineCore``
+(the scheduler: it feeds the worker each step and takes its outputs) change between loads in
+ABBA order, so that a drift linear in time cancels. The worker and every other process stay as
+the server placed them. Settings:
+
+- ``cpus=serving``: the CPUs no vLLM worker is pinned to (where engines/placement.py puts the
+  gateway's scheduler);
+- ``cpus=worker``: the worker's own CPUs;
+- ``cpus=all``: every CPU (bare vLLM leaves its scheduler so);
+- ``nice=N``: the scheduler's niceness (a negative one needs root).
+
+Each load records the rate and latencies, CPU per token by process, the scheduler's and the
+worker's CPU and run-queue wait per token (``cputime.schedstat``), and the load generator's own
+CPU per token, its start included (it shares the box). Results: ``bench/results/alternate.json``
+and ``alternate.md``; docs/benchmarks.md, "vLLM's busy wait"::
+
+    python bench/alternate.py --target gateway --settings cpus=serving,cpus=worker --passes 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import cputime
+from bench.load import CLIENT_PRIORITIES, client_priority, run_load
+from bench.servers import PORTS, RESULTS, STARTERS, machine, models, stop_tree, wait_ready
+
+CPU_CHOICES = ("serving", "worker", "all")
+SCHEDULER, WORKER = cputime.ENGINE_TITLES
+
+
+class Setting(msgspec.Struct, frozen=True):
+    """One value of the alternated setting: ``cpus`` (one of CPU_CHOICES) or ``nice``."""
+
+    knob: str
+    value: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.knob}={self.value}"
+
+
+class Engine(msgspec.Struct, frozen=True):
+    """A running server's vLLM processes, and its scheduler as the server placed it."""
+
+    scheduler: int  # the pid of VLLM::EngineCore
+    titles: dict[int, str]  # every engine process: pid -> VLLM title
+    worker_cpus: frozenset[int]
+    placed_cpus: frozenset[int]
+    placed_nice: int
+
+
+def parse_setting(text: str) -> Setting:
+    knob, _, value = text.partition("=")
+    if knob == "cpus" and value in CPU_CHOICES:
+        return Setting(knob, value)
+    if knob == "nice" and value.lstrip("-").isdigit() and -20 <= int(value) <= 19:
+        return Setting(knob, str(int(value)))
+    raise ValueError(f"{text!r}: expected cpus=serving|worker|all or nice=N (-20 to 19)")
+
+
+def abba(settings: list[Setting], passes: int) -> list[Setting]:
+    """The loads' order: every setting once per pass, forward then backward (A B, B A, A B)."""
+    order: list[Setting] = []
+    for i in range(passes):
+        order += settings if i % 2 == 0 else settings[::-1]
+    return order
+
+
+def find_engine(root_pid: int) -> Engine:
+    titles = {pid: role for pid, role in cputime.labels(root_pid).items()
+              if role in cputime.ENGINE_TITLES}
+    scheduler = next((pid for pid, role in titles.items() if role == SCHEDULER), None)
+    workers = [pid for pid, role in titles.items() if role == WORKER]
+    if scheduler is None or not workers:
+        raise SystemExit(f"no vLLM scheduler and worker under pid {root_pid}: {titles}")
+    worker_cpus = frozenset().union(*(os.sched_getaffinity(pid) for pid in workers))
+    return Engine(scheduler, titles, worker_cpus, frozenset(os.sched_getaffinity(scheduler)),
+                  os.getpriority(os.PRIO_PROCESS, scheduler))
+
+
+def scheduler_cpus(setting: Setting, engine: Engine, every: set[int]) -> set[int]:
+    """Where ``setting`` runs the scheduler; a niceness setting leaves it where it was placed."""
+    if setting.knob != "cpus":
+        return set(engine.placed_cpus)
+    return {"serving": (every - engine.worker_cpus) or every,
+            "worker": set(engine.worker_cpus), "all": every}[setting.value]
+
+
+def apply(setting: Setting, engine: Engine) -> None:
+    """Every thread of the scheduler onto ``setting``'s CPUs and niceness."""
+    cpus = scheduler_cpus(setting, engine, set(os.sched_getaffinity(0)))
+    nice = int(setting.value) if setting.knob == "nice" else engine.placed_nice
+    for tid in os.listdir(f"/proc/{engine.scheduler}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except ProcessLookupError:  # a thread that just ended
+            continue
+
+
+def per_token(before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]],
+              titles: dict[int, str], tokens: int) -> dict[str, dict[str, float]]:
+    """Milliseconds on a CPU and waiting for one per output token, by engine process title."""
+    out: dict[str, dict[str, float]] = {}
+    for pid, (cpu, wait) in after.items():
+        cpu0, wait0 = before.get(pid, (0.0, 0.0))
+        got = out.setdefault(titles[pid], {"cpu": 0.0, "wait": 0.0})
+        got["cpu"] += 1000 * (cpu - cpu0) / tokens
+        got["wait"] += 1000 * (wait - wait0) / tokens
+    return {t: {k: round(v, 4) for k, v in got.items()} for t, got in out.items()}
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _load(args, setting: Setting, engine: Engine, root_pid: int, port: int,
+          model: str, model_dir: str) -> dict:
+    apply(setting, engine)
+    pids = list(engine.titles)
+    sched, tree, client = cputime.schedstat(pids), cputime.snapshot(root_pid), _children_cpu_s()
+    box, started = cputime.box(), time.monotonic()
+    result = run_load(port, model, model_dir, args.concurrency, args.num_prompts, "openai",
+                      args.client)
+    client = _children_cpu_s() - client
+    sched_after, tree_after = cputime.schedstat(pids), cputime.snapshot(root_pid)
+    tokens = result["total_output_tokens"]
+    spent = cputime.spent(tree, tree_after)
+    roles = cputime.spent_by_role(tree, tree_after, cputime.labels(root_pid))
+    return {"setting": setting.name, "concurrency": args.concurrency, "prompts": args.num_prompts,
+            **cputime.box_spent(box, cputime.box(), sum(spent.values()),
+                                time.monotonic() - started),
+            **{k: result[k] for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms",
+                                      "total_output_tokens", "failed") if k in result},
+            "ms_per_token": {role: round(1000 * s / tokens, 4) for role, s in roles.items()},
+            "engine_sched_ms_per_token": per_token(sched, sched_after, engine.titles, tokens),
+            "client_ms_per_token": round(1000 * client / tokens, 4)}
+
+
+def measure(args) -> list[dict]:
+    model, model_dir, overrides = models([args.model])[0]
+    port = PORTS[args.target]
+    proc = STARTERS[args.target](model, model_dir, overrides)
+    rows = []
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", model, proc)
+        engine = find_engine(proc.pid)
+        run_load(port, model, model_dir, args.concurrency, 2 * args.concurrency, "openai",
+                 args.client)  # the first load after a start is slower; not recorded
+        for setting in abba(args.settings, args.passes):
+            rows.append(_load(args, setting, engine, proc.pid, port, model, model_dir))
+            print(json.dumps(rows[-1]), flush=True)
+        apply(Setting("nice", str(engine.placed_nice)), engine)  # as the server placed it
+    finally:
+        stop_tree(proc, args.target)
+    return rows
+
+
+def _mean(rows: list[dict], pick) -> float:
+    return statistics.fmean(pick(r) for r in rows)
+
+
+def _setting_line(name: str, got: list[dict], first: float) -> str:
+    """One setting's loads in the summary's columns."""
+    rate = _mean(got, lambda r: r["output_throughput"])
+    rates = ", ".join(f"{r['output_throughput']:.1f}" for r in got)
+    sched_cpu = _mean(got, lambda r: r["engine_sched_ms_per_token"][SCHEDULER]["cpu"])
+    sched_wait = _mean(got, lambda r: r["engine_sched_ms_per_token"][SCHEDULER]["wait"])
+    worker = _mean(got, lambda r: r["engine_sched_ms_per_token"][WORKER]["cpu"])
+    outside = _mean(got, lambda r: sum(v for k, v in r["ms_per_token"].items()
+                                       if k not in cputime.ENGINE_TITLES))
+    client = _mean(got, lambda r: r["client_ms_per_token"])
+    return (f"| {name} | {rates} | {rate:.1f} | {rate / first:.3f}x | {sched_cpu:.3f} / "
+            f"{sched_wait:.3f} | {worker:.3f} | {outside:.3f} | {client:.3f} |")
+
+
+def summarize(rows: list[dict], args) -> str:
+    first = _mean([r for r in rows if r["setting"] == rows[0]["setting"]],
+                  lambda r: r["output_throughput"])
+    lines = [f"{args.target}, {args.model} model, c={args.concurrency}, {args.num_prompts} prompts"
+             f" a load, settings in ABBA order, load generator at {args.client} priority.", "",
+             "| setting | output tok/s (loads) | mean | vs first | scheduler CPU / wait ms a token"
+             " | worker CPU ms a token | outside the engine ms a token | load generator ms a token |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        lines.append(_setting_line(name, [r for r in rows if r["setting"] == name], first))
+    lines += ["", f"Failed requests: {sum(r.get('failed', 0) for r in rows)}. "
+              f"Machine: {machine()}."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="gateway", choices=sorted(STARTERS))
+    parser.add_argument("--model", default="tiny", choices=["tiny", "embedded"])
+    parser.add_argument("--settings", default=[parse_setting("cpus=serving"),
+                                               parse_setting("cpus=worker")],
+                        type=lambda s: [parse_setting(x) for x in s.split(",") if x])
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--client-priority", dest="client", choices=CLIENT_PRIORITIES,
+                        default="realtime")
+    args = parser.parse_args()
+    args.client = client_priority(args.client)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    rows = measure(args)
+    (RESULTS / "alternate.json").write_text(json.dumps(rows, indent=1))
+    summary = summarize(rows, args)
+    (RESULTS / "alternate.md").write_text(summary + "\n")
+    print(f"\n{summary}\n({time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

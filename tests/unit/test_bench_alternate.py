@@ -1,0 +1,88 @@
+"""bench/alternate.py's pure parts: settings as written on its command line, the ABBA order of
+the loads, where each setting runs vLLM's scheduler, schedstat read per output token, and the
+summary; and ``cputime.schedstat`` on a real process."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from bench import alternate, cputime
+from bench.alternate import Engine, Setting, abba, parse_setting, per_token, scheduler_cpus
+
+
+def test_settings_parse_and_refuse_what_they_cannot_apply():
+    assert parse_setting("cpus=worker") == Setting("cpus", "worker")
+    assert parse_setting("nice=-05").name == "nice=-5"
+    for bad in ("cpus=two", "nice=20", "nice=-21", "nice=x", "affinity=0", "cpus"):
+        with pytest.raises(ValueError, match="expected cpus="):
+            parse_setting(bad)
+
+
+def test_loads_run_forward_then_backward_so_a_linear_drift_cancels():
+    a, b = Setting("cpus", "serving"), Setting("cpus", "worker")
+    assert abba([a, b], 3) == [a, b, b, a, a, b]
+    assert abba([a], 2) == [a, a]
+
+
+def _engine(worker=frozenset({0}), placed=frozenset({1})) -> Engine:
+    return Engine(scheduler=10, titles={10: "VLLM::EngineCore", 11: "VLLM::Worker"},
+                  worker_cpus=worker, placed_cpus=placed, placed_nice=0)
+
+
+def test_each_setting_places_the_scheduler():
+    every = {0, 1, 2, 3}
+    engine = _engine(worker=frozenset({0, 1}), placed=frozenset({2, 3}))
+    assert scheduler_cpus(Setting("cpus", "serving"), engine, every) == {2, 3}
+    assert scheduler_cpus(Setting("cpus", "worker"), engine, every) == {0, 1}
+    assert scheduler_cpus(Setting("cpus", "all"), engine, every) == every
+    # A niceness setting leaves the scheduler where the server put it.
+    assert scheduler_cpus(Setting("nice", "-5"), engine, every) == {2, 3}
+    # A worker on every CPU leaves nowhere else to serve from: the scheduler keeps them all.
+    assert scheduler_cpus(Setting("cpus", "serving"), _engine(worker=frozenset(every)),
+                          every) == every
+
+
+def test_schedstat_per_output_token_by_engine_title():
+    before = {10: (1.0, 2.0), 11: (5.0, 0.5)}
+    after = {10: (1.5, 2.25), 11: (6.0, 0.5), 12: (0.1, 0.0)}  # 12: a process born meanwhile
+    titles = {10: "VLLM::EngineCore", 11: "VLLM::Worker", 12: "VLLM::Worker"}
+    got = per_token(before, after, titles, tokens=1000)
+    assert got == {"VLLM::EngineCore": {"cpu": 0.5, "wait": 0.25},
+                   "VLLM::Worker": {"cpu": 1.1, "wait": 0.0}}
+
+
+def test_schedstat_reads_a_live_process_and_skips_a_gone_one():
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # some CPU of our own to read back
+        pass
+    got = cputime.schedstat([os.getpid(), 2**22 + 7])  # the second pid is past pid_max
+    cpu, wait = got[os.getpid()]
+    assert cpu >= 0.05 and wait >= 0.0
+    assert list(got) == [os.getpid()]
+
+
+def _row(setting, rate, sched_cpu, client=0.4):
+    return {"setting": setting, "output_throughput": rate, "failed": 0,
+            "engine_sched_ms_per_token": {"VLLM::EngineCore": {"cpu": sched_cpu, "wait": 0.3},
+                                          "VLLM::Worker": {"cpu": 0.6, "wait": 0.1}},
+            "ms_per_token": {"VLLM::EngineCore": sched_cpu, "VLLM::Worker": 0.6,
+                             "haproxy": 0.05, "ray::ServeReplica:m:engine": 0.2},
+            "client_ms_per_token": client}
+
+
+def test_summary_compares_each_setting_with_the_first():
+    rows = [_row("cpus=serving", 100, 0.4), _row("cpus=worker", 110, 0.1),
+            _row("cpus=worker", 130, 0.1), _row("cpus=serving", 120, 0.4)]
+    args = SimpleNamespace(target="gateway", model="tiny", concurrency=16, num_prompts=512,
+                           client="realtime")
+    text = alternate.summarize(rows, args)
+    line = next(x for x in text.splitlines() if x.startswith("| cpus=worker |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:4] == ["110.0, 130.0", "120.0", "1.091x"]  # 120 / 110
+    assert cells[4] == "0.100 / 0.300" and cells[5] == "0.600"
+    assert cells[6] == "0.250"  # HAProxy and the replica: outside the engine
+    assert "Failed requests: 0" in text
