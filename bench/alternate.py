@@ -83,13 +83,24 @@ def abba(settings: list[Setting], passes: int) -> list[Setting]:
     return order
 
 
+def refuse_unprivileged_niceness(settings: list[Setting]) -> None:
+    """Before any server starts: a negative niceness needs root (or CAP_SYS_NICE), which a
+    run would otherwise find out only at its first load of that setting."""
+    wanted = [s.name for s in settings if s.knob == "nice" and int(s.value) < 0]
+    if wanted and os.geteuid() != 0:
+        raise SystemExit(f"{', '.join(wanted)}: a negative niceness needs root; run as root "
+                         "or choose nice=0 and above")
+
+
 def find_engine(root_pid: int) -> Engine:
     titles = {pid: role for pid, role in cputime.labels(root_pid).items()
               if role in cputime.ENGINE_TITLES}
-    scheduler = next((pid for pid, role in titles.items() if role == SCHEDULER), None)
+    schedulers = [pid for pid, role in titles.items() if role == SCHEDULER]
     workers = [pid for pid, role in titles.items() if role == WORKER]
-    if scheduler is None or not workers:
-        raise SystemExit(f"no vLLM scheduler and worker under pid {root_pid}: {titles}")
+    if len(schedulers) != 1 or not workers:
+        raise SystemExit(f"expected one vLLM scheduler and its workers under pid {root_pid} "
+                         f"(one model), found {titles}")
+    scheduler = schedulers[0]
     worker_cpus = frozenset().union(*(os.sched_getaffinity(pid) for pid in workers))
     return Engine(scheduler, titles, worker_cpus, frozenset(os.sched_getaffinity(scheduler)),
                   os.getpriority(os.PRIO_PROCESS, scheduler))
@@ -220,6 +231,7 @@ def main() -> None:
     parser.add_argument("--client-priority", dest="client", choices=CLIENT_PRIORITIES,
                         default="realtime")
     args = parser.parse_args()
+    refuse_unprivileged_niceness(args.settings)
     args.client = client_priority(args.client)
     RESULTS.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -22,6 +22,16 @@ def test_settings_parse_and_refuse_what_they_cannot_apply():
             parse_setting(bad)
 
 
+def test_a_negative_niceness_is_refused_before_a_server_starts_unless_root(monkeypatch):
+    settings = [parse_setting("nice=0"), parse_setting("nice=-10")]
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="nice=-10: a negative niceness needs root"):
+        alternate.refuse_unprivileged_niceness(settings)
+    alternate.refuse_unprivileged_niceness([parse_setting("nice=5"), parse_setting("cpus=all")])
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    alternate.refuse_unprivileged_niceness(settings)
+
+
 def test_loads_run_forward_then_backward_so_a_linear_drift_cancels():
     a, b = Setting("cpus", "serving"), Setting("cpus", "worker")
     assert abba([a, b], 3) == [a, b, b, a, a, b]
@@ -86,3 +96,18 @@ def test_summary_compares_each_setting_with_the_first():
     assert cells[4] == "0.100 / 0.300" and cells[5] == "0.600"
     assert cells[6] == "0.250"  # HAProxy and the replica: outside the engine
     assert "Failed requests: 0" in text
+
+
+def test_the_engine_is_found_by_title_and_two_models_are_refused(monkeypatch):
+    me, parent = os.getpid(), os.getppid()
+    monkeypatch.setattr(cputime, "labels", lambda root: {
+        1: "python serve run", me: "VLLM::EngineCore", parent: "VLLM::Worker"})
+    engine = alternate.find_engine(1)
+    assert engine.scheduler == me and set(engine.titles) == {me, parent}
+    assert engine.worker_cpus == frozenset(os.sched_getaffinity(parent))
+    assert engine.placed_cpus == frozenset(os.sched_getaffinity(me))
+    assert engine.placed_nice == os.getpriority(os.PRIO_PROCESS, me)
+    monkeypatch.setattr(cputime, "labels", lambda root: {
+        me: "VLLM::EngineCore", 2: "VLLM::EngineCore", parent: "VLLM::Worker"})
+    with pytest.raises(SystemExit, match="expected one vLLM scheduler"):
+        alternate.find_engine(1)
