@@ -4,8 +4,11 @@ Each round starts every server in turn (the order rotates from round to round), 
 ``vllm bench serve`` (random 128-in / 64-out, ignore_eos, greedy, warm-up requests excluded) at
 each concurrency, and stops it, so two servers never share the CPU. Besides throughput, TTFT
 and TPOT it reads the CPU time of each server's process tree and reports **CPU seconds per
-1,000 output tokens outside the engine** (vLLM's EngineCore process), the figure of a serving
-stack's overhead that does not depend on how fast the box's engine step is (``cputime.py``).
+1,000 output tokens outside the engine** (vLLM's EngineCore and worker processes), the figure
+of a serving stack's overhead that does not depend on how fast the box's engine step is
+(``cputime.py``). The engine's own column is no step cost: under load vLLM's processes poll
+their queues in a busy wait, so on CPU the worker's share is its core's wall time
+(docs/benchmarks.md, "vLLM's busy wait").
 
 Two models: the embedded SmolLM2 (the README's default), and a tiny random-weight Llama (4
 layers, hidden 256, made on the fly) on which the engine is nearly free, so the serving stack's
