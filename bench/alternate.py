@@ -154,10 +154,9 @@ def _load(args, setting: Setting, engine: Engine, root_pid: int, port: int,
     client = _children_cpu_s() - client
     sched_after, tree_after = cputime.schedstat(pids), cputime.snapshot(root_pid)
     tokens = result["total_output_tokens"]
-    spent = cputime.spent(tree, tree_after)
     roles = cputime.spent_by_role(tree, tree_after, cputime.labels(root_pid))
     return {"setting": setting.name, "concurrency": args.concurrency, "prompts": args.num_prompts,
-            **cputime.box_spent(box, cputime.box(), sum(spent.values()),
+            **cputime.box_spent(box, cputime.box(), sum(roles.values()),
                                 time.monotonic() - started),
             **{k: result[k] for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms",
                                       "total_output_tokens", "failed") if k in result},
@@ -179,7 +178,6 @@ def measure(args) -> list[dict]:
         for setting in abba(args.settings, args.passes):
             rows.append(_load(args, setting, engine, proc.pid, port, model, model_dir))
             print(json.dumps(rows[-1]), flush=True)
-        apply(Setting("nice", str(engine.placed_nice)), engine)  # as the server placed it
     finally:
         stop_tree(proc, args.target)
     return rows

@@ -22,6 +22,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import cputime  # noqa: E402
 from engines.embedded import EMBEDDED_MODEL_NAME, prepare_embedded_model  # noqa: E402
 from engines.vllm.args import engine_args as vllm_engine_args  # noqa: E402
 from gateway import serve_env  # noqa: E402
@@ -71,8 +72,6 @@ def stop_tree(proc: subprocess.Popen, target: str) -> None:
     (``ray stop --force`` kills the replicas), then whatever of its tree still runs, since a
     killed replica's vLLM engine processes can outlive it and none may run into the next
     server's turn."""
-    from bench import cputime
-
     tree = cputime.snapshot(proc.pid)
     stop(proc)
     if target != "bare":
