@@ -4,8 +4,11 @@ vLLM runs its EngineCore (and, under it, its workers) as child processes of the 
 replica that stops normally shuts them down; one that is killed (``ray stop --force``, ``kill
 -9``, the OOM killer) cannot, and nothing else does: they kept running, holding 4.3 GB, after
 ``ray stop --force`` (docs/reliability.md). So before it starts its engine, the replica starts
-one small reaper process, in a session of its own (what stops Ray does not stop it). Once a
-second it notes the replica's descendants; when the replica is gone it ends them (SIGTERM,
+one small reaper process, in a session of its own (what stops Ray does not stop it). It notes
+the replica's descendants once a second while they change (vLLM starts its processes in the first
+minute) and less often, down to every ``settle_s``, once they stay the same: each look reads every
+process's ``/proc`` entry, and a replica that lives for days would otherwise pay for a look every
+second. It learns of the replica's end at once from a pidfd, then ends what it noted (SIGTERM,
 then SIGKILL to what is left after ``grace_s``) and exits.
 
 A process is named by its pid and its start time in clock ticks since boot (``/proc/<pid>/stat``
@@ -17,10 +20,12 @@ field 22): a reused pid is never signalled, and a wall-clock step changes nothin
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -88,12 +93,38 @@ def _end(targets: set[Named], grace_s: float) -> None:
     _signal(targets, signal.SIGKILL)
 
 
-def watch(owner: Named, interval_s: float = 1.0, grace_s: float = 5.0) -> set[Named]:
-    """Until ``owner`` is gone; then ends what it had under it. Returns what it ended."""
+def _exit_waiter(owner: Named) -> Callable[[float], None]:
+    """A wait of at most its argument in seconds that returns early when ``owner`` exits: a
+    poll on its pidfd, or a plain sleep where there is none (Linux before 5.3, a seccomp
+    filter). The pid's start time is checked after the pidfd is open, so a reused pid is
+    never waited on."""
+    try:
+        fd = os.pidfd_open(owner[0])
+    except (AttributeError, OSError):
+        return time.sleep
+    if start_ticks(owner[0]) != owner[1]:
+        os.close(fd)
+        return lambda _: None  # gone already: the loop's next liveness check ends it
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)  # readable once the process has exited
+
+    def wait(timeout_s: float) -> None:
+        poller.poll(timeout_s * 1000)
+    return wait
+
+
+def watch(owner: Named, interval_s: float = 1.0, settle_s: float = 5.0,
+          grace_s: float = 5.0) -> set[Named]:
+    """Until ``owner`` is gone; then ends what it had under it. Returns what it ended. Looks
+    every ``interval_s`` while the set changes, doubling the pause to ``settle_s`` while not."""
+    wait = _exit_waiter(owner)
     seen: set[Named] = set()
+    pause = interval_s
     while _alive(owner) is not None:
-        seen = {named for named in seen | _descendants(owner) if _alive(named) is not None}
-        time.sleep(interval_s)
+        now = {named for named in seen | _descendants(owner) if _alive(named) is not None}
+        pause = interval_s if now != seen else min(2 * pause, settle_s)
+        seen = now
+        wait(pause)
     _end(seen, grace_s)
     return seen
 
