@@ -6,7 +6,7 @@ replica that stops normally shuts them down; one that is killed (``ray stop --fo
 ``ray stop --force`` (docs/reliability.md). So before it starts its engine, the replica starts
 one small reaper process, in a session of its own (what stops Ray does not stop it). It notes
 the replica's descendants once a second while they change (vLLM starts its processes in the first
-minute) and less often, down to every ``settle_s``, once they stay the same: each look reads every
+minute) and less often, at most ``settle_s`` apart, once they stay the same: each look reads every
 process's ``/proc`` entry, and a replica that lives for days would otherwise pay for a look every
 second. It learns of the replica's end at once from a pidfd, then ends what it noted (SIGTERM,
 then SIGKILL to what is left after ``grace_s``) and exits.
