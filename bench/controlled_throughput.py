@@ -1,7 +1,7 @@
 """Throughput of controlled generation vs unconstrained, same engine, same run (issue 12).
 
-One ``vllm`` engine of the embedded model with its controller runtime in a Ray actor (as in a
-replica), 16 concurrent streams, greedy, ``max_tokens`` each. Three cases, alternated over
+One ``vllm`` engine of the embedded model with its controller runtime in a process of its own
+(as in a replica: Ray is initialised), 16 concurrent streams, greedy, ``max_tokens`` each. Three cases, alternated over
 ``--rounds``:
 
 - ``plain``: no controller (the hook is installed but idle);
@@ -17,7 +17,7 @@ Usage::
 
 Each row also has the CPU milliseconds per output token of this process (the frontend: the
 driver of controlled runs and vLLM's output processing), of vLLM's engine processes, and of the
-rest (Ray, with the controller runtime actor), read with psutil before and after the case
+rest (Ray, and the controller runtime's process), read with psutil before and after the case
 (``bench/cputime.py``): where a controller's cost goes.
 
 Writes ``bench/results/controlled_throughput.json`` with the CPU flags and dtype. Run it on an

@@ -16,11 +16,13 @@ import bisect
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
 __all__ = ["BATCH_BUCKETS_S", "LATENCY_BUCKETS_S", "STEP_BUCKETS_S", "TOKEN_GAP_BUCKETS_S",
-           "LEVELS", "CountedHistogram", "EngineMetrics", "Levels", "engine_metrics",
+           "LEVELS", "CountedHistogram", "EngineMetrics", "Levels", "Tally", "engine_metrics",
            "ray_metrics"]
 
 # Seconds. Wide enough for a 2-core CPU box (a first token after seconds of queueing) and fine
@@ -43,7 +45,7 @@ STAGE_TAGS = ("model", "stage")  # a pipeline's stage: its index and layer range
 class EngineMetrics:
     """The engine side's series: what a replica runs, each engine kind's own figures."""
 
-    def __init__(self, make: Any):
+    def __init__(self, make: Any, levels: Levels | None = None):
         self.active = make.Gauge(
             "llm_gateway_engine_requests_active",
             description="Generations admitted by an engine replica and not yet finished.",
@@ -88,14 +90,16 @@ class EngineMetrics:
                                              "Tokens vLLM generated.")
         self.vllm_finished = series("Counter", "vllm_requests_finished",
                                     "Requests vLLM finished.")
-        self.controller_step = make.Histogram(
-            "llm_gateway_controller_step_seconds",
-            description="A controller runtime's work for one engine step (seconds).",
-            boundaries=list(STEP_BUCKETS_S))
+        # Counted in the controller runtime's process, handed over by its replica
+        # (engines/controllers/service.py): a histogram of tallies, not of observations.
+        self.controller_step = CountedHistogram(
+            make, "llm_gateway_controller_step_seconds",
+            "A controller runtime's work for one engine step (seconds).", STEP_BUCKETS_S,
+            ("model",), levels or LEVELS)
         self.controller_timeouts = make.Counter(
             "llm_gateway_controller_timeouts",
             description="Controller calls cut at their time bound, by kind (mid: mask; "
-            "pre_post: before and after sampling).", tag_keys=("kind",))
+            "pre_post: before and after sampling).", tag_keys=("model", "kind"))
 
 
 class Levels:
@@ -122,6 +126,12 @@ class Levels:
         with self._lock:
             self._exporters.append(export)
             self._start()
+
+    def stop_exporting(self, export: Callable[[], None]) -> None:
+        """``export`` is not called again (its owner closed)."""
+        with self._lock:
+            if export in self._exporters:
+                self._exporters.remove(export)
 
     def _start(self) -> None:
         if self._thread is None and self.refresh_s is not None:
@@ -159,11 +169,42 @@ class Levels:
             export()
 
 
+class Tally(msgspec.Struct):
+    """Values counted into a histogram's buckets: ``counts[i]`` values fell at or below
+    ``boundaries[i]`` and above the bound before it, the last count past every bound; ``total``
+    is their sum. One process counts, another may take the tally whole (a controller runtime's
+    process hands its step times to its replica) and add it to its own."""
+
+    counts: list[int]
+    total: float = 0.0
+
+    @classmethod
+    def empty(cls, boundaries: tuple[float, ...]) -> Tally:
+        return cls([0] * (len(boundaries) + 1))
+
+    def count(self, values: Iterable[float], boundaries: tuple[float, ...]) -> None:
+        counts = self.counts
+        for value in values:
+            counts[bisect.bisect_left(boundaries, value)] += 1
+            self.total += value
+
+    def add(self, other: Tally) -> None:
+        if len(other.counts) != len(self.counts):
+            raise ValueError("tallies over different buckets")
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.total += other.total
+
+    def since(self, earlier: Tally) -> Tally:
+        """What was counted after ``earlier`` (a copy of this tally taken then)."""
+        return Tally([a - b for a, b in zip(self.counts, earlier.counts, strict=True)],
+                     self.total - earlier.total)
+
+
 class CountedHistogram:
     """A histogram counted in this process and handed to Ray as gauges: its cumulative
     ``<name>_bucket`` (tag ``le``), ``<name>_count`` and ``<name>_sum``, set again with the
-    levels every second. In Prometheus they read as a histogram's series do
-    (``histogram_quantile`` over ``rate`` of the buckets).
+    levels every second from its first value on. In Prometheus they read as a histogram's
+    series do (``histogram_quantile`` over ``rate`` of the buckets).
 
     For what is observed once per generated token. Ray's ``Histogram`` costs about 5 µs an
     observation in the process, and its metrics agent then replays every observation counted
@@ -181,27 +222,33 @@ class CountedHistogram:
                                  tag_keys=tag_keys)
         self._sum = make.Gauge(f"{name}_sum", description=f"{description} Sum.",
                                tag_keys=tag_keys)
-        # Tag values → (tags, count per bucket, the last one past every bound; sum).
-        self._counted: dict[tuple[str, ...], tuple[dict[str, str], list[int], list[float]]] = {}
+        self._counted: dict[tuple[str, ...], tuple[dict[str, str], Tally]] = {}
         self._lock = threading.Lock()
-        levels.export_with_levels(self.export)
+        self._levels = levels  # exported from the first value on: a process that never
+        # counts (a pipeline stage, for this one) starts no thread for it
 
     def observe_all(self, values: list[float], tags: dict[str, str]) -> None:
         """Count ``values`` (e.g. one generation's gaps between tokens) under ``tags``."""
-        bounds = self.boundaries
         with self._lock:
-            counted = self._counted.get(key := tuple(tags.values()))
-            if counted is None:
-                counted = self._counted[key] = (dict(tags), [0] * (len(bounds) + 1), [0.0])
-            counts = counted[1]
-            for value in values:
-                counts[bisect.bisect_left(bounds, value)] += 1
-            counted[2][0] += sum(values)
+            self._tally(tags).count(values, self.boundaries)
+
+    def add(self, tally: Tally, tags: dict[str, str]) -> None:
+        """Add what another process counted over the same boundaries."""
+        with self._lock:
+            self._tally(tags).add(tally)
+
+    def _tally(self, tags: dict[str, str]) -> Tally:
+        counted = self._counted.get(key := tuple(tags.values()))
+        if counted is None:
+            if not self._counted:
+                self._levels.export_with_levels(self.export)
+            counted = self._counted[key] = (dict(tags), Tally.empty(self.boundaries))
+        return counted[1]
 
     def export(self) -> None:
         """Hand the counts so far to Ray."""
         with self._lock:
-            counted = [(tags, list(counts), total[0]) for tags, counts, total
+            counted = [(tags, list(tally.counts), tally.total) for tags, tally
                        in self._counted.values()]
         for tags, counts, total in counted:
             cumulative = 0

@@ -23,7 +23,6 @@ import msgspec
 
 from engines.controllers.base import Controller, ControllerError
 from engines.controllers.sequence import ControlledSequence
-from engines.telemetry import engine_metrics
 
 __all__ = ["CallRunner", "Calls", "Limits", "Outcome"]
 
@@ -61,6 +60,13 @@ class CallRunner:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self._pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="aici-ctrl")
+        # Calls cut at their bound, by kind, since the start (the runtime's ``get_stats``).
+        self._timeouts = {"mid": 0, "pre_post": 0}
+        self._counting = threading.Lock()  # the main channel's thread and the side's pool
+
+    def timeouts_so_far(self) -> dict[str, int]:
+        with self._counting:
+            return dict(self._timeouts)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -122,8 +128,8 @@ class CallRunner:
                    still_running: bool) -> Outcome:
         bound, micros = f"{self.limits.step_s * 1000:g} ms", int(self.limits.step_s * 1e6)
         seq.micros += micros
-        engine_metrics().controller_timeouts.inc(1, tags={"kind": "pre_post" if stateful
-                                                          else "mid"})
+        with self._counting:
+            self._timeouts["pre_post" if stateful else "mid"] += 1
         if stateful:
             return Outcome(None, seq.fail(f"controller step took longer than {bound}"), micros)
         seq.timeouts += 1

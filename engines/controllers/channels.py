@@ -209,6 +209,7 @@ class SideClient:
         self._cmd, self._resp = pair(prefix, "-side", size, create=create)
         self._max_pending = max_pending
         self._pending: dict[str, Future] = {}
+        self.sent = 0  # requests sent so far: whoever reads the runtime's stats asks only after more
         self._lock = threading.Lock()  # guards _pending and the order of sends
         self._reader = threading.Thread(target=self._read, name="aici-side-reader", daemon=True)
         self._reader.start()
@@ -239,6 +240,7 @@ class SideClient:
             except BaseException:
                 self._pending.pop(rid, None)
                 raise
+            self.sent += 1
         with self._due:
             heapq.heappush(self._deadlines, (time.monotonic() + timeout, rid, op, timeout))
             if self._deadlines[0][1] == rid:  # the earliest now: the expirer waits less

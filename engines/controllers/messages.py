@@ -13,11 +13,13 @@ from typing import Any, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from engines.telemetry import Tally
+
 __all__ = [
     "LOCAL", "Addressed", "Advance", "AdvanceAnswer", "Answer", "Auth", "BadMessage", "Envelope",
     "Failure", "FirstHalf", "Fork", "Forked", "Instantiate", "Journal", "MainCommand", "MidAnswer",
     "MidOp", "MidRecord", "Ok", "Op", "Pong", "PostOp", "PostRecord", "PreOp", "PreRecord", "PreState",
-    "Release", "Released", "Reply", "RowSpec", "SetTags", "StepAnswer", "Stopped", "TagInfo",
+    "Release", "Released", "Reply", "RowSpec", "RuntimeStats", "SetTags", "StepAnswer", "Stopped", "TagInfo",
     "TagList", "Vocabulary", "read",
 ]
 
@@ -309,3 +311,13 @@ class AdvanceAnswer(msgspec.Struct):
     logs: str = ""
     storage: list[dict] = []
     micros: int = 0
+
+
+class RuntimeStats(msgspec.Struct):
+    """``get_stats``' answer (beyond the seed): what the runtime counted since it started, for
+    its replica to hand to Ray's metrics (the runtime's own process has no Ray). ``live`` is
+    the controllers alive now: while any are, the replica keeps asking."""
+
+    step: Tally  # every step's work, over engines.telemetry.STEP_BUCKETS_S
+    timeouts: dict[str, int]  # calls cut at their bound, by kind: "mid", "pre_post"
+    live: int

@@ -38,6 +38,7 @@ from engines.controllers.messages import (
     PreOp,
     PreRecord,
     Reply,
+    RuntimeStats,
     StepAnswer,
     Stopped,
     Vocabulary,
@@ -47,7 +48,7 @@ from engines.controllers.sequence import ControlledSequence, record, tell_branch
 from engines.controllers.shm import BiasMatrix
 from engines.controllers.side import SideChannel
 from engines.controllers.tags import ControllerFactory, TagRegistry, module_id_of
-from engines.telemetry import engine_metrics
+from engines.telemetry import STEP_BUCKETS_S, Tally
 
 __all__ = ["ControllerFactory", "ControllerRuntime", "Limits", "module_id_of"]
 
@@ -64,6 +65,16 @@ class ControllerRuntime:
         self._live: dict[str, ControlledSequence] = {}  # every controller, instantiate→release
         self._seqs: dict[int, ControlledSequence] = {}  # the engine's sequence ids bound to them
         self._side = SideChannel(self)
+        self._steps = Tally.empty(STEP_BUCKETS_S)  # the main channel's thread counts them
+        self._steps_lock = threading.Lock()  # ... and the side channel's reads them
+
+    def stats(self) -> RuntimeStats:
+        """What this runtime counted since it started (the side channel's ``get_stats``)."""
+        with self._steps_lock:
+            step = Tally(list(self._steps.counts), self._steps.total)
+        with self.lock:
+            live = len(self._live)
+        return RuntimeStats(step, self.calls.timeouts_so_far(), live)
 
     def close(self) -> None:
         self.calls.close()
@@ -92,7 +103,8 @@ class ControllerRuntime:
         half = self._post_pre_process(command.post_ops or [], command.pre_ops or [],
                                       command.freed or [])
         answer = half if op == "post_pre_process" else self._step(command, half)
-        engine_metrics().controller_step.observe(time.perf_counter() - began)
+        with self._steps_lock:
+            self._steps.count((time.perf_counter() - began,), STEP_BUCKETS_S)
         return ok_reply(answer)
 
     def _step(self, command: MainCommand, half: FirstHalf) -> StepAnswer:

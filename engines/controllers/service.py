@@ -1,8 +1,11 @@
-"""A controller runtime serving one engine's channels: in a Ray actor beside the engine replica,
-or on threads of the calling process (no Ray: tests, a bare engine).
+"""A controller runtime serving one engine's channels: in a process of its own beside the engine
+replica (engines/controllers/process.py), or on threads of the calling process (no Ray: tests,
+a bare engine).
 
 The replica creates the shm objects (``ChannelObjects``) and starts this before vLLM: the
-engine hook asks ``tokens`` while vLLM builds its logits processors.
+engine hook asks ``tokens`` while vLLM builds its logits processors. The replica hands what the
+runtime counts (step times, calls cut at their bound) to Ray's metrics
+(docs/observability.md): the runtime's own process has no Ray.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from typing import Any
 
 from engines.controllers.builtin import BUILTIN_CONTROLLERS, HFTokenizerInfo
 from engines.controllers.channels import MainServer, SideClient, SideServer
-from engines.controllers.messages import TagList, read
+from engines.controllers.messages import RuntimeStats, TagList, read
+from engines.controllers.process import RuntimeProcess, RuntimeStart
 from engines.controllers.runtime import ControllerFactory, ControllerRuntime, Limits
 from engines.controllers.shm import BiasMatrix, ChannelObjects
+from engines.telemetry import LEVELS, STEP_BUCKETS_S, Levels, Tally, engine_metrics
 from protocols.internal import ControllerTag
 
 __all__ = ["AttachedRuntime", "RuntimeService", "attach_runtime", "close_quietly",
@@ -56,9 +61,6 @@ class RuntimeService:
         for thread in self._threads:
             thread.start()
 
-    def ready(self) -> int:
-        return self.runtime.tokenizer.vocab_size
-
     def close(self) -> None:
         self._main.close()
         self._side.close()
@@ -68,51 +70,37 @@ class RuntimeService:
         self._bias.close()
 
 
-def start_runtime(prefix: str, model_dir: str, vocab_size: int, custom: Mapping[str, str],
-                  limits: Limits) -> Any:
-    """A :class:`RuntimeService` in a Ray actor pinned to this node when Ray runs here (its
-    controllers' CPU time then is not the replica's), else on this process's threads. Returns
-    an object with ``close()``; the actor dies with its owner, the replica."""
+def start_runtime(model: str, prefix: str, model_dir: str, vocab_size: int,
+                  custom: Mapping[str, str], limits: Limits) -> Any:
+    """A :class:`RuntimeService` in a process of its own where Ray runs (a replica: its
+    controllers' Python then takes neither the replica's GIL nor its CPU time), else on this
+    process's threads. Returns an object with ``close()``."""
     import ray
 
     if not ray.is_initialized():
         return RuntimeService(prefix, model_dir, vocab_size, custom, limits)
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node = ray.get_runtime_context().get_node_id()
-    actor_cls = ray.remote(num_cpus=0)(RuntimeService)
-    actor = actor_cls.options(  # type: ignore[attr-defined]
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        name=None, max_restarts=0).remote(prefix, model_dir, vocab_size, dict(custom), limits)
-    ray.get(actor.ready.remote(), timeout=120)
-    return _ActorHandle(actor)
-
-
-class _ActorHandle:
-    def __init__(self, actor: Any) -> None:
-        self._actor = actor
-
-    def close(self) -> None:
-        import ray
-
-        if not ray.is_initialized():  # Ray's shutdown ended the actor; a call now would
-            return  # start a new local Ray instance (at interpreter exit, say)
-        try:
-            ray.get(self._actor.close.remote(), timeout=10)
-        except Exception as exc:  # gone already: the shm objects are the owner's to remove
-            log.debug("controller runtime actor: %s", exc)
-        ray.kill(self._actor)
+    return RuntimeProcess(model, RuntimeStart(prefix, model_dir, vocab_size, dict(custom),
+                                              limits))
 
 
 class AttachedRuntime:
     """An engine replica's controller runtime, as the replica holds it: the shared-memory
     objects it made (``prefix`` names them for the processes that open their ends), the runtime
-    serving them, and the side channel's client. :meth:`close` ends all three."""
+    serving them, and the side channel's client. :meth:`close` ends all three.
 
-    def __init__(self, prefix: str, objects: ChannelObjects, runtime: Any,
-                 side: SideClient) -> None:
+    Once a second, with this process's metric levels, it asks the runtime what it counted and
+    hands the news to Ray's metrics: only while controllers ran since it last asked, so an
+    idle runtime is never woken for it."""
+
+    def __init__(self, model: str, prefix: str, objects: ChannelObjects, runtime: Any,
+                 side: SideClient, levels: Levels = LEVELS) -> None:
         self.prefix, self.side = prefix, side
         self._parts = (side, runtime, objects)
+        self._tags = {"model": model}
+        self._seen = RuntimeStats(Tally.empty(STEP_BUCKETS_S), {}, 0)
+        self._asked_at = 0  # side.sent after the last ask
+        self._levels = levels
+        levels.export_with_levels(self.export_stats)
 
     def tags(self) -> tuple[ControllerTag, ...]:
         """The runtime's own tag list (it is the authority on what it hosts), for the
@@ -121,7 +109,27 @@ class AttachedRuntime:
         return tuple(ControllerTag(tag=t.tag, module_id=t.module_id)
                      for t in read(answer, TagList).tags)
 
+    def export_stats(self) -> None:
+        """What the runtime counted since the last ask, into this process's series."""
+        before = self.side.sent
+        if before == self._asked_at and not self._seen.live:
+            return
+        try:
+            stats = read(self.side.call("get_stats", timeout=1.0), RuntimeStats)
+        except Exception as exc:  # gone or slow: counted at the next ask that works
+            log.debug("controller runtime's stats: %s", exc)
+            return
+        self._asked_at = before + 1  # this ask; a request sent meanwhile means: ask again
+        metrics, seen = engine_metrics(), self._seen
+        metrics.controller_step.add(stats.step.since(seen.step), self._tags)
+        for kind, count in stats.timeouts.items():
+            if count > seen.timeouts.get(kind, 0):
+                metrics.controller_timeouts.inc(count - seen.timeouts.get(kind, 0),
+                                                tags={**self._tags, "kind": kind})
+        self._seen = stats
+
     def close(self) -> None:
+        self._levels.stop_exporting(self.export_stats)
         close_quietly(*self._parts)
 
 
@@ -135,7 +143,7 @@ def close_quietly(*parts: Any) -> None:
             log.debug("closing %s: %s", type(part).__name__, exc)
 
 
-def attach_runtime(model_dir: str, vocab_size: int, custom: Mapping[str, str],
+def attach_runtime(model: str, model_dir: str, vocab_size: int, custom: Mapping[str, str],
                    limits: Limits) -> AttachedRuntime:
     """Make the shared-memory objects, start a runtime over them beside this replica
     (:func:`start_runtime`) and open the side channel's client: what every engine kind with
@@ -144,9 +152,13 @@ def attach_runtime(model_dir: str, vocab_size: int, custom: Mapping[str, str],
     prefix = f"/llmgw-{os.getpid()}-{os.urandom(3).hex()}-"
     objects = ChannelObjects(prefix)
     try:
-        runtime = start_runtime(prefix, model_dir, vocab_size, custom, limits)
-        side = SideClient(prefix, create=False)
+        runtime = start_runtime(model, prefix, model_dir, vocab_size, custom, limits)
     except BaseException:
         objects.close()
         raise
-    return AttachedRuntime(prefix, objects, runtime, side)
+    try:
+        side = SideClient(prefix, create=False)
+    except BaseException:
+        close_quietly(runtime, objects)
+        raise
+    return AttachedRuntime(model, prefix, objects, runtime, side)

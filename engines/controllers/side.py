@@ -78,6 +78,8 @@ class SideChannel:
             self._start_instantiate(request, reply)
         elif op == "get_tags":
             reply(self.rt.tags.get_tags())
+        elif op == "get_stats":
+            reply(ok_reply(self.rt.stats()))
         elif op == "set_tags":
             auth = envelope.auth or LOCAL
             self._answer(reply, lambda r: self.rt.tags.set_tags(read(r, SetTags), auth), request)

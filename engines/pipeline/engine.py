@@ -116,7 +116,8 @@ class PipelineEngine:
         from engines.controllers.service import attach_runtime, close_quietly
 
         limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
-        attached = attach_runtime(self.model_path, vocab_size, options.custom, limits)
+        attached = attach_runtime(self.config.name, self.model_path, vocab_size, options.custom,
+                                  limits)
         try:
             hook = StepHook(attached.prefix, vocab_size, self.tokenizer.eos_token_id)
         except BaseException:

@@ -107,7 +107,7 @@ class VLLMEngine:
                              "off (the hook reads each step's tokens before the forward pass)")
         vocab = int(AutoConfig.from_pretrained(self.model_path).vocab_size)
         limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
-        attached = attach_runtime(self.model_path, vocab, options.custom, limits)
+        attached = attach_runtime(self.config.name, self.model_path, vocab, options.custom, limits)
         self._runtime = attached
         weakref.finalize(self, attached.close)
         prefix = attached.prefix

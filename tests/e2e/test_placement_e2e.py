@@ -1,9 +1,10 @@
 """The serving stack runs off the cores vLLM's worker computes on (``engines/placement.py``):
 Ray's daemons, Serve's controller and proxy, the replicas, vLLM's scheduler process and the
-controller runtime actor, every thread of each, in the test session's Ray node with its real
-vLLM replica. The oracle is the kernel's own affinity of each thread (psutil / sched_getaffinity),
-against the CPUs the worker's threads are pinned to. Also what ``gateway/serve_env.py`` sets for
-the processes it does not place: the engine's priority, HAProxy's threads.
+controller runtime's process (the replica's child), every thread of each, in the test session's
+Ray node with its real vLLM replica. The oracle is the kernel's own affinity of each thread
+(psutil / sched_getaffinity), against the CPUs the worker's threads are pinned to. Also what
+``gateway/serve_env.py`` sets for the processes it does not place: the engine's priority,
+HAProxy's threads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from engines.placement import _session_dir, claimed
 from tests.e2e.conftest import MODEL
 
 T = TypeVar("T")
+RUNTIME = "-m engines.controllers.process"  # the controller runtime's command line
 
 
 def _title(proc: psutil.Process) -> str:
@@ -73,14 +75,14 @@ def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_
         kept |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
     serving = [p for p in node if p.pid not in kept and (
                _title(p).startswith(("ray::ServeController", "ray::ProxyActor",
-                                        "ray::ServeReplica", "ray::RuntimeService",
-                                        "VLLM::EngineCore"))
-               or p.name() in ("raylet", "gcs_server"))]
+                                        "ray::ServeReplica", "VLLM::EngineCore"))
+               or RUNTIME in _title(p) or p.name() in ("raylet", "gcs_server"))]
     # Ray appends the running method to an actor's title (``ray::ServeController.listen_for_
     # change``), so an actor is known by its title's prefix
     titles = [_title(p) for p in serving]
-    for name in ("ray::ServeController", "ray::RuntimeService", "VLLM::EngineCore"):
+    for name in ("ray::ServeController", "VLLM::EngineCore"):
         assert any(t.startswith(name) for t in titles), (name, titles)
+    assert any(RUNTIME in t for t in titles), titles  # the replica's child
     for proc in serving:
         for cpus in _threads_cpus(proc):
             assert not cpus & pinned, (_title(proc)[:60], cpus, pinned)

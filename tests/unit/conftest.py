@@ -8,6 +8,14 @@ from gateway.registry import ModelRegistry
 from tests import fake_engine
 from tests.fake_engine import FakeEngine
 from tests.pipeline_models import build_tiny
+from tests.recorded_metrics import Recorded
+
+
+@pytest.fixture
+def recorded() -> Recorded:
+    """A recording stand-in for ``ray.util.metrics``; ``recorded.keeper.refresh()`` hands
+    the levels over, as the levels' thread does every second."""
+    return Recorded()
 
 
 @pytest.fixture

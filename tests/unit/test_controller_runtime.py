@@ -232,6 +232,9 @@ def test_a_slow_mid_process_is_a_logged_no_op_then_fails_the_sequence_others_go_
             time.sleep(0.6)  # let the overrunning call finish before the next step
         assert errors[:2] == ["", ""]
         assert "3 steps in a row" in errors[2]
+        # Each cut call counted by its kind, for the replica's metrics.
+        stats = _side(rt, {"op": "get_stats", "$rid": "s"})["data"]
+        assert stats["timeouts"] == {"mid": 3, "pre_post": 0}
     finally:
         bias.close()
 
@@ -270,6 +273,10 @@ def test_a_slow_post_process_or_a_raising_controller_fails_only_its_sequence():
     assert "longer than 200 ms" in data["post_seqs"]["1"]["error"]
     assert data["post_seqs"]["3"]["result"] == {"stop": False}
     assert set(data["pre_seqs"]) == {"3"}  # failed sequences are not asked again
+    stats = _side(rt, {"op": "get_stats", "$rid": "s"})["data"]
+    assert stats["timeouts"] == {"mid": 0, "pre_post": 1}
+    assert sum(stats["step"]["counts"]) == 2 and stats["step"]["total"] > 0.3  # one cut at 0.4 s
+    assert stats["live"] == 3  # instantiated, never released
     rt.close()
 
 
@@ -606,24 +613,3 @@ def test_the_runtime_and_the_rest_api_apply_the_same_tag_rules():
         answer = _side(rt, {"op": "set_tags", "$auth": admin, "module_id": mod, "tags": bad})
         assert answer["type"] == "error" and answer["is_user_error"], bad
         assert answer["error"] == check_tags(bad, "root", True, {"scripted", "plain"})
-
-
-def test_closing_a_runtime_actor_once_ray_is_down_starts_no_ray_instance(monkeypatch):
-    """An engine's finalizer may close its runtime actor after Ray shut down (at interpreter
-    exit): any Ray call then would start a new local Ray instance just to say goodbye."""
-    import ray
-
-    from engines.controllers.service import _ActorHandle
-
-    called = []
-
-    class Actor:
-        class close:  # an actor method's shape: ``actor.close.remote()``
-            @staticmethod
-            def remote():
-                called.append("close")
-
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "kill", lambda actor: called.append("kill"))
-    _ActorHandle(Actor()).close()
-    assert called == []
