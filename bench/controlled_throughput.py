@@ -1,8 +1,8 @@
 """Throughput of controlled generation vs unconstrained, same engine, same run (issue 12).
 
 One ``vllm`` engine of the embedded model with its controller runtime in a process of its own
-(as in a replica: Ray is initialised), 16 concurrent streams, greedy, ``max_tokens`` each. Three cases, alternated over
-``--rounds``:
+(as in a replica: Ray is initialised), 16 concurrent streams, greedy, ``max_tokens`` each.
+Three cases, alternated over ``--rounds``:
 
 - ``plain``: no controller (the hook is installed but idle);
 - ``none``: the no-op controller (one runtime round trip per step, all tokens allowed);
