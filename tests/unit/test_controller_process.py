@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from engines.controllers.runtime import Limits
 from engines.controllers.service import AttachedRuntime
 from engines.controllers.shm import ChannelObjects
 from engines.telemetry import STEP_BUCKETS_S, EngineMetrics, Levels, Tally
+from tests.processes import gone_within
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,18 +36,6 @@ def objects():
 
 def _start(objects: ChannelObjects, tiny_dir: Path, **custom: str) -> RuntimeStart:
     return RuntimeStart(objects.prefix, str(tiny_dir), 49152, custom, Limits())
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_the_runtime_process_serves_both_channels_and_ends_when_closed(objects, tiny_dir):
@@ -68,7 +56,7 @@ def test_the_runtime_process_serves_both_channels_and_ends_when_closed(objects, 
         side.close()
         main.close()
         runtime.close()
-    assert _gone_within(runtime.pid, 1)
+    assert gone_within(runtime.pid, 1)
 
 
 def test_a_runtime_process_that_cannot_start_says_why(objects, tiny_dir):
@@ -99,7 +87,7 @@ def test_a_runtime_process_ends_when_its_replica_is_killed(tiny_dir):
         assert psutil.Process(runtime).ppid() == replica.pid
         replica.kill()
         replica.wait(10)
-        assert _gone_within(runtime, 5)
+        assert gone_within(runtime, 5)
     finally:
         if replica.poll() is None:
             replica.kill()

@@ -11,10 +11,10 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 
 from engines.reaper import _alive, _exit_waiter, start_reaper, start_ticks, watch
+from tests.processes import gone_within
 
 # The owner waits for a line on stdin, then starts a child that would outlive it and prints
 # the child's pid.
@@ -25,18 +25,6 @@ child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(child.pid, flush=True)
 time.sleep(600)
 """
-
-
-def _gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -69,11 +57,11 @@ def test_a_killed_owners_processes_are_ended(owner, child_first):
     if child is None:  # like vLLM's EngineCore, which starts after the reaper
         child = start_child()
     time.sleep(4)  # the reaper's second look, at most 2 s after its first, notes the child
-    assert not _gone(child, 0.1)  # the owner lives: its child is left alone
+    assert not gone_within(child, 0.1)  # the owner lives: its child is left alone
     assert reaper.poll() is None
     process.kill()  # what ray stop --force does to a replica
     process.wait()
-    assert _gone(child, 15), "the orphan outlived its owner"
+    assert gone_within(child, 15), "the orphan outlived its owner"
     assert reaper.wait(15) == 0
 
 
@@ -96,12 +84,12 @@ def test_a_child_started_after_the_set_settled_is_still_ended(owner):
     time.sleep(1)  # several looks at an unchanged (empty) set: the pause is at settle_s
     child = start_child()
     time.sleep(1)
-    assert watcher.is_alive() and not _gone(child, 0.1)
+    assert watcher.is_alive() and not gone_within(child, 0.1)
     process.kill()
     process.wait()
     watcher.join(15)
     assert ended and child in {pid for pid, _ in ended[0]}
-    assert _gone(child, 5), "the orphan outlived its owner"
+    assert gone_within(child, 5), "the orphan outlived its owner"
 
 
 def test_the_wait_ends_when_the_owner_exits():
