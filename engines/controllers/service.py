@@ -123,9 +123,8 @@ class AttachedRuntime:
         metrics, seen = engine_metrics(), self._seen
         metrics.controller_step.add(stats.step.since(seen.step), self._tags)
         for kind, count in stats.timeouts.items():
-            if count > seen.timeouts.get(kind, 0):
-                metrics.controller_timeouts.inc(count - seen.timeouts.get(kind, 0),
-                                                tags={**self._tags, "kind": kind})
+            if (new := count - seen.timeouts.get(kind, 0)) > 0:
+                metrics.controller_timeouts.inc(new, tags={**self._tags, "kind": kind})
         self._seen = stats
 
     def close(self) -> None:

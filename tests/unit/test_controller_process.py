@@ -11,6 +11,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 
@@ -104,8 +105,6 @@ class FakeSide:
     def call(self, op: str, timeout: float) -> dict:
         assert op == "get_stats"
         self.sent += 1
-        import msgspec
-
         return msgspec.to_builtins(self.answers.pop(0))
 
     def close(self) -> None:
