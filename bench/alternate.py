@@ -12,7 +12,12 @@ the server placed them. Settings:
   gateway's scheduler);
 - ``cpus=worker``: the worker's own CPUs;
 - ``cpus=all``: every CPU (bare vLLM leaves its scheduler so);
-- ``nice=N``: the scheduler's niceness (a negative one needs root).
+- ``nice=N``: the scheduler's niceness (a negative one needs root);
+- ``second=present|absent`` (``--target gateway-two-apps`` only): the idle second model's
+  application deployed or deleted between loads (``servers.set_second_app``), the measured
+  model's replica and engine and the gateway's ingress running on: what serving a second model
+  costs the one in use, read without the drift between server starts that ``compare.py``'s
+  ``gateway`` against ``gateway-two-apps`` carries.
 
 Each load records the rate and latencies, CPU per token by process, the scheduler's and the
 worker's CPU and run-queue wait per token (``cputime.schedstat``), and the load generator's own
@@ -20,6 +25,7 @@ CPU per token, its start included (it shares the box). Results: ``bench/results/
 and ``alternate.md``; docs/benchmarks.md, "vLLM's busy wait"::
 
     python bench/alternate.py --target gateway --settings cpus=serving,cpus=worker --passes 3
+    python bench/alternate.py --target gateway-two-apps --settings second=present,second=absent
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,14 +46,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cputime
 from bench.load import CLIENT_PRIORITIES, client_priority, run_load
-from bench.servers import PORTS, RESULTS, STARTERS, machine, models, stop_tree, wait_ready
+from bench.servers import (
+    PORTS,
+    RESULTS,
+    SECOND_APP,
+    STARTERS,
+    machine,
+    models,
+    set_second_app,
+    stop_tree,
+    wait_ready,
+)
 
 CPU_CHOICES = ("serving", "worker", "all")
 SCHEDULER, WORKER = cputime.ENGINE_TITLES
 
 
 class Setting(msgspec.Struct, frozen=True):
-    """One value of the alternated setting: ``cpus`` (one of CPU_CHOICES) or ``nice``."""
+    """One value of the alternated setting: ``cpus`` (one of CPU_CHOICES), ``nice`` or
+    ``second`` (present or absent)."""
 
     knob: str
     value: str
@@ -72,7 +90,10 @@ def parse_setting(text: str) -> Setting:
         return Setting(knob, value)
     if knob == "nice" and value.lstrip("-").isdigit() and -20 <= int(value) <= 19:
         return Setting(knob, str(int(value)))
-    raise ValueError(f"{text!r}: expected cpus=serving|worker|all or nice=N (-20 to 19)")
+    if knob == "second" and value in ("present", "absent"):
+        return Setting(knob, value)
+    raise ValueError(f"{text!r}: expected cpus=serving|worker|all, nice=N (-20 to 19) or "
+                     "second=present|absent")
 
 
 def abba(settings: list[Setting], passes: int) -> list[Setting]:
@@ -92,8 +113,15 @@ def refuse_unprivileged_niceness(settings: list[Setting]) -> None:
                          "or choose nice=0 and above")
 
 
+def refuse_second_without_two_apps(settings: list[Setting], target: str) -> None:
+    """Before any server starts: only ``gateway-two-apps`` has a second model to take away."""
+    if target != "gateway-two-apps" and any(s.knob == "second" for s in settings):
+        raise SystemExit("second=present|absent needs --target gateway-two-apps")
+
+
 def find_engine(root_pid: int) -> Engine:
-    titles = {pid: role for pid, role in cputime.labels(root_pid).items()
+    """The measured model's engine (a second model's reads apart: ``cputime.labels``)."""
+    titles = {pid: role for pid, role in cputime.labels(root_pid, apart=(SECOND_APP,)).items()
               if role in cputime.ENGINE_TITLES}
     schedulers = [pid for pid, role in titles.items() if role == SCHEDULER]
     workers = [pid for pid, role in titles.items() if role == WORKER]
@@ -143,9 +171,12 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _load(args, setting: Setting, engine: Engine, root_pid: int, port: int,
+def _load(args, setting: Setting, engine: Engine, server: subprocess.Popen, port: int,
           model: str, model_dir: str) -> dict:
     apply(setting, engine)
+    if setting.knob == "second":
+        set_second_app(server, present=setting.value == "present")
+    root_pid = server.pid
     pids = list(engine.titles)
     sched, tree, client = cputime.schedstat(pids), cputime.snapshot(root_pid), _children_cpu_s()
     box, started = cputime.box(), time.monotonic()
@@ -154,7 +185,7 @@ def _load(args, setting: Setting, engine: Engine, root_pid: int, port: int,
     client = _children_cpu_s() - client
     sched_after, tree_after = cputime.schedstat(pids), cputime.snapshot(root_pid)
     tokens = result["total_output_tokens"]
-    roles = cputime.spent_by_role(tree, tree_after, cputime.labels(root_pid))
+    roles = cputime.spent_by_role(tree, tree_after, cputime.labels(root_pid, apart=(SECOND_APP,)))
     return {"setting": setting.name, "concurrency": args.concurrency, "prompts": args.num_prompts,
             **cputime.box_spent(box, cputime.box(), sum(roles.values()),
                                 time.monotonic() - started),
@@ -176,7 +207,7 @@ def measure(args) -> list[dict]:
         run_load(port, model, model_dir, args.concurrency, 2 * args.concurrency, "openai",
                  args.client)  # the first load after a start is slower; not recorded
         for setting in abba(args.settings, args.passes):
-            rows.append(_load(args, setting, engine, proc.pid, port, model, model_dir))
+            rows.append(_load(args, setting, engine, proc, port, model, model_dir))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         stop_tree(proc, args.target)
@@ -230,6 +261,7 @@ def main() -> None:
                         default="realtime")
     args = parser.parse_args()
     refuse_unprivileged_niceness(args.settings)
+    refuse_second_without_two_apps(args.settings, args.target)
     args.client = client_priority(args.client)
     RESULTS.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -44,6 +44,7 @@ from bench.load import CLIENT_PRIORITIES, client_priority, run_load
 from bench.servers import (
     PORTS,
     RESULTS,
+    SECOND_APP,
     STARTERS,
     machine,
     models,
@@ -100,7 +101,8 @@ def _load_row(args, pid: int, port: int, model: str, model_dir, conc: int) -> di
     cpu = cputime.spent(before, after)
     box = cputime.box_spent(box_before, box_after, cpu["engine_cpu_s"] + cpu["other_cpu_s"],
                             time.monotonic() - started)
-    cpu["cpu_s_by_process"] = cputime.spent_by_role(before, after, cputime.labels(pid))
+    roles = cputime.labels(pid, apart=(SECOND_APP,))  # gateway-two-apps' idle model apart
+    cpu["cpu_s_by_process"] = cputime.spent_by_role(before, after, roles)
     return {"concurrency": conc, "prompts": prompts, "client": args.client, "pace": pace,
             **box, **cpu, **{k: v for k, v in result.items() if isinstance(v, (int, float))}}
 

@@ -20,6 +20,7 @@ import psutil
 
 ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+_REPLICA = re.compile(r"ray::ServeReplica:([^:\s]+)")
 
 
 def _engine_title(proc: psutil.Process) -> str | None:
@@ -88,13 +89,35 @@ def _label(proc: psutil.Process) -> str:
     return " ".join(shown)[:60] or "?"
 
 
-def labels(root_pid: int) -> dict[int, str]:
-    """``{pid: role}`` for the tree under ``root_pid`` (``_label``)."""
+def serve_app(proc: psutil.Process) -> str | None:
+    """The Serve application ``proc`` works for: that of the nearest replica (Ray titles it
+    ``ray::ServeReplica:<app>:<deployment>``) among it and its ancestors. A replica's vLLM
+    engine, controller runtime and reaper are its descendants."""
+    try:
+        for each in (proc, *proc.parents()):
+            replica = _REPLICA.match((each.cmdline() or [""])[0])
+            if replica:
+                return replica.group(1)
+    except psutil.Error:
+        return None
+    return None
+
+
+def labels(root_pid: int, apart: tuple[str, ...] = ()) -> dict[int, str]:
+    """``{pid: role}`` for the tree under ``root_pid`` (``_label``). The processes of a Serve
+    application named in ``apart`` get `` @<app>`` after their role: a second model's engine
+    and replica then read apart from the first's instead of adding to the same rows (and its
+    engine no longer reads as the measured one's, ``ENGINE_TITLES``)."""
     try:
         root = psutil.Process(root_pid)
-        return {p.pid: _label(p) for p in (root, *root.children(recursive=True))}
+        procs = (root, *root.children(recursive=True))
     except psutil.NoSuchProcess:
         return {}
+    out = {}
+    for proc in procs:
+        app = serve_app(proc) if apart else None
+        out[proc.pid] = _label(proc) + (f" @{app}" if app in apart else "")
+    return out
 
 
 def spent_by_role(before: dict[int, tuple[bool, float]], after: dict[int, tuple[bool, float]],

@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -33,6 +35,8 @@ PORTS = {"bare": 8100, "gateway": 8000, "serve-llm": 8200}  # every gateway-* ta
 TINY_NAME = "tiny-random-llama"
 # The tiny model's positions stop at 512; the embedded model keeps the gateway's default.
 TINY_OVERRIDES = {"max_model_len": 512}
+# The application of the idle second model that ``gateway-two-apps`` adds (``serve_model_apps``).
+SECOND_APP = "model-1"
 
 
 def venv_bin(name: str) -> str:
@@ -131,14 +135,51 @@ def serve_model_apps(model: str, model_dir: str, overrides: dict, count: int = 1
     (``serve_config.cluster.yaml``'s two models): what serving several costs the one in use."""
     models = [{"name": name, "source": model_dir, "engine_args": overrides}
               for name in (model, f"{model}-second")[:count]]
-    apps = [{"name": f"model-{i}", "route_prefix": model_route(entry["name"]),
+    names = ("model-0", SECOND_APP)
+    apps = [{"name": names[i], "route_prefix": model_route(entry["name"]),
              "import_path": "gateway.app:build_model_app", "args": {"model": entry}}
             for i, entry in enumerate(models)]
     apps.append({"name": "gateway", "route_prefix": "/", "import_path": "gateway.app:build_app",
-                 "args": {"models": [{**entry, "app": f"model-{i}"}
+                 "args": {"models": [{**entry, "app": names[i]}
                                      for i, entry in enumerate(models)]}})
     return serve_run(PORTS["gateway"], apps,
                      _ray_env(ingress, PYTHONPATH=str(root), **(env or {})), root)
+
+
+def set_second_app(proc: subprocess.Popen, present: bool, settle_s: float = 40,
+                   timeout_s: float = 300) -> None:
+    """Deploy or delete the idle second model's application of a running ``gateway-two-apps``
+    server (``proc``: its ``serve run``), through Serve's own CLI with the server's config less
+    or plus that application. Serve leaves the applications whose config did not change as
+    they run: the measured model's replica and engine, and the gateway's ingress. Returns
+    ``settle_s`` after the application's processes are gone, or after it runs: past a new
+    engine's start-up tail (its monitor's first 30 s) and HAProxy's reload."""
+    config = json.loads(Path(proc.args[-1]).read_text())
+    if not present:
+        config["applications"] = [a for a in config["applications"] if a["name"] != SECOND_APP]
+    path = Path(proc.args[-1]).with_name(f"second-{'present' if present else 'absent'}.json")
+    path.write_text(json.dumps(config))
+    subprocess.run(["bash", str(ROOT / "scripts" / "serve_cli.sh"), "deploy", str(path)],
+                   check=True, capture_output=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        roles = set(cputime.labels(proc.pid, apart=(SECOND_APP,)).values())
+        engine_up = f"VLLM::Worker @{SECOND_APP}" in roles
+        gone = not any(role.endswith(f" @{SECOND_APP}") for role in roles)
+        if (not present and gone) or (present and engine_up
+                                      and _app_status(SECOND_APP) == "RUNNING"):
+            time.sleep(settle_s)
+            return
+        time.sleep(2)
+    raise TimeoutError(f"{SECOND_APP} not {'running' if present else 'gone'} after {timeout_s} s")
+
+
+def _app_status(app: str) -> str | None:
+    """A Serve application's status as ``serve status`` reports it (None: not deployed)."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "serve_cli.sh"), "status"],
+                         capture_output=True, text=True).stdout
+    apps = (yaml.safe_load(re.sub(r"\x1b\[[0-9;]*m", "", out)) or {}).get("applications") or {}
+    return (apps.get(app) or {}).get("status")
 
 
 def serve_before(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:

@@ -17,7 +17,9 @@ from bench.alternate import Engine, Setting, abba, parse_setting, per_token, sch
 def test_settings_parse_and_refuse_what_they_cannot_apply():
     assert parse_setting("cpus=worker") == Setting("cpus", "worker")
     assert parse_setting("nice=-05").name == "nice=-5"
-    for bad in ("cpus=two", "nice=20", "nice=-21", "nice=x", "affinity=0", "cpus"):
+    assert parse_setting("second=absent") == Setting("second", "absent")
+    for bad in ("cpus=two", "nice=20", "nice=-21", "nice=x", "affinity=0", "cpus",
+                "second=idle"):
         with pytest.raises(ValueError, match="expected cpus="):
             parse_setting(bad)
 
@@ -30,6 +32,14 @@ def test_a_negative_niceness_is_refused_before_a_server_starts_unless_root(monke
     alternate.refuse_unprivileged_niceness([parse_setting("nice=5"), parse_setting("cpus=all")])
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     alternate.refuse_unprivileged_niceness(settings)
+
+
+def test_taking_the_second_model_away_is_refused_where_there_is_none():
+    settings = [parse_setting("second=present"), parse_setting("second=absent")]
+    with pytest.raises(SystemExit, match="needs --target gateway-two-apps"):
+        alternate.refuse_second_without_two_apps(settings, "gateway")
+    alternate.refuse_second_without_two_apps(settings, "gateway-two-apps")
+    alternate.refuse_second_without_two_apps([parse_setting("cpus=all")], "gateway")
 
 
 def test_loads_run_forward_then_backward_so_a_linear_drift_cancels():
@@ -100,14 +110,15 @@ def test_summary_compares_each_setting_with_the_first():
 
 def test_the_engine_is_found_by_title_and_two_models_are_refused(monkeypatch):
     me, parent = os.getpid(), os.getppid()
-    monkeypatch.setattr(cputime, "labels", lambda root: {
-        1: "python serve run", me: "VLLM::EngineCore", parent: "VLLM::Worker"})
+    monkeypatch.setattr(cputime, "labels", lambda root, apart=(): {
+        1: "python serve run", me: "VLLM::EngineCore", parent: "VLLM::Worker",
+        3: "VLLM::EngineCore @model-1"})  # a second model's engine is not the measured one
     engine = alternate.find_engine(1)
     assert engine.scheduler == me and set(engine.titles) == {me, parent}
     assert engine.worker_cpus == frozenset(os.sched_getaffinity(parent))
     assert engine.placed_cpus == frozenset(os.sched_getaffinity(me))
     assert engine.placed_nice == os.getpriority(os.PRIO_PROCESS, me)
-    monkeypatch.setattr(cputime, "labels", lambda root: {
+    monkeypatch.setattr(cputime, "labels", lambda root, apart=(): {
         me: "VLLM::EngineCore", 2: "VLLM::EngineCore", parent: "VLLM::Worker"})
     with pytest.raises(SystemExit, match="expected one vLLM scheduler"):
         alternate.find_engine(1)

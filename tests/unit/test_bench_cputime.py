@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from bench import cputime
 
 BURN = """
@@ -121,3 +123,34 @@ def test_an_engine_process_named_only_in_the_kernel_still_counts_as_the_engine(t
         assert cputime.labels(child.pid)[child.pid] == "VLLM::EngineCore"
     finally:
         child.kill()
+
+
+def test_a_second_applications_processes_read_apart_from_the_first_ones(tmp_path):
+    # A "replica" of application model-1 whose child is titled as vLLM titles its worker, and
+    # a replica of model-0 beside it: with model-1 apart, its worker is no longer the engine's
+    # row (the measured model's), and neither process adds to model-0's rows.
+    spawn = ("import subprocess, sys\n"
+             "child = subprocess.Popen([sys.executable, '-c', sys.argv[3], sys.argv[4],"
+             " sys.argv[5]])\n" + BURN)
+    ready = {name: tmp_path / name for name in ("replica", "worker", "other")}
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    replica = subprocess.Popen([sys.executable, "-c", spawn, "ray::ServeReplica:model-1:engine-x",
+                                str(ready["replica"]), BURN, "VLLM::Worker", str(ready["worker"])])
+    other = subprocess.Popen([sys.executable, "-c", BURN, "ray::ServeReplica:model-0:engine-y",
+                              str(ready["other"])])
+    try:
+        for path in ready.values():
+            _wait_for(path)
+        worker = psutil.Process(replica.pid).children()[0].pid
+        got = {**cputime.labels(replica.pid, apart=("model-1",)),
+               **cputime.labels(other.pid, apart=("model-1",))}
+        plain = cputime.labels(replica.pid)
+    finally:
+        for proc in (parent, replica, other):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+    assert got == {replica.pid: "ray::ServeReplica:model-1:engine-x @model-1",
+                   worker: "VLLM::Worker @model-1",
+                   other.pid: "ray::ServeReplica:model-0:engine-y"}
+    assert plain[worker] == "VLLM::Worker"
