@@ -193,7 +193,20 @@ def _load(args, setting: Setting, engine: Engine, server: subprocess.Popen, port
                                       "total_output_tokens", "failed") if k in result},
             "ms_per_token": {role: round(1000 * s / tokens, 4) for role, s in roles.items()},
             "engine_sched_ms_per_token": per_token(sched, sched_after, engine.titles, tokens),
-            "client_ms_per_token": round(1000 * client / tokens, 4)}
+            "client_ms_per_token": round(1000 * client / tokens, 4),
+            "engine_cpus": _engine_cpus(engine)}
+
+
+def _engine_cpus(engine: Engine) -> dict[str, list[int]]:
+    """Where the measured engine's processes run now, by title: a setting that restarts other
+    processes (``second``) must leave them where the server placed them."""
+    out: dict[str, set[int]] = {}
+    for pid, title in engine.titles.items():
+        try:
+            out.setdefault(title, set()).update(os.sched_getaffinity(pid))
+        except OSError:  # gone
+            continue
+    return {title: sorted(cpus) for title, cpus in out.items()}
 
 
 def measure(args) -> list[dict]:
