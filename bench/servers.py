@@ -154,13 +154,13 @@ def set_second_app(proc: subprocess.Popen, present: bool, settle_s: float = 40,
     they run: the measured model's replica and engine, and the gateway's ingress. Returns
     ``settle_s`` after the application's processes are gone, or after it runs: past a new
     engine's start-up tail (its monitor's first 30 s) and HAProxy's reload."""
-    config = json.loads(Path(proc.args[-1]).read_text())
+    started_with = Path(proc.args[-1])  # serve_run's config
+    config = json.loads(started_with.read_text())
     if not present:
         config["applications"] = [a for a in config["applications"] if a["name"] != SECOND_APP]
-    path = Path(proc.args[-1]).with_name(f"second-{'present' if present else 'absent'}.json")
+    path = started_with.with_name(f"second-{'present' if present else 'absent'}.json")
     path.write_text(json.dumps(config))
-    subprocess.run(["bash", str(ROOT / "scripts" / "serve_cli.sh"), "deploy", str(path)],
-                   check=True, capture_output=True)
+    _serve_cli("deploy", str(path))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         roles = set(cputime.labels(proc.pid, apart=(SECOND_APP,)).values())
@@ -176,10 +176,16 @@ def set_second_app(proc: subprocess.Popen, present: bool, settle_s: float = 40,
 
 def _app_status(app: str) -> str | None:
     """A Serve application's status as ``serve status`` reports it (None: not deployed)."""
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "serve_cli.sh"), "status"],
-                         capture_output=True, text=True).stdout
-    apps = (yaml.safe_load(re.sub(r"\x1b\[[0-9;]*m", "", out)) or {}).get("applications") or {}
+    out = re.sub(r"\x1b\[[0-9;]*m", "", _serve_cli("status", check=False))  # no colours
+    apps = (yaml.safe_load(out) or {}).get("applications") or {}
     return (apps.get(app) or {}).get("status")
+
+
+def _serve_cli(*args: str, check: bool = True) -> str:
+    """Serve's CLI on this node's running cluster, as an operator runs it (scripts/serve_cli.sh:
+    the project's environment, Ray's token when the cluster has one); its output."""
+    return subprocess.run(["bash", str(ROOT / "scripts" / "serve_cli.sh"), *args], check=check,
+                          capture_output=True, text=True).stdout
 
 
 def serve_before(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
