@@ -18,6 +18,13 @@ its worker's cores from the process's affinity, and another engine placing the n
 must not narrow it. Claims and placements of one node take
 turns on a file lock; a claim names the pid and its start time (pids are reused).
 
+A vLLM worker is known by its title, and also by where it is: the processes under a placing
+replica whose threads are pinned to some CPUs only are its engine's workers, recorded in the
+session's engines file, so that no later placement moves them even when vLLM could not set
+their titles (once in ten starts on a test box both models' processes kept the title
+``python``, and the second model's placement moved the first one's worker onto the serving
+CPU; docs/benchmarks.md).
+
 Only inside a Ray worker process (a replica, an actor), never in a driver or a test process;
 ``LLM_GATEWAY_PLACEMENT=off`` turns it off. Placement never fails a start: an error is logged
 and the node runs as it was. A node whose last engine stopped keeps its placement until the
@@ -32,17 +39,20 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["COMPUTE_TITLES", "claim", "claimed", "engine_start", "place", "serving_cpus"]
+__all__ = ["COMPUTE_TITLES", "ENGINES", "claim", "claimed", "engine_start", "place", "serving_cpus"]
 
 log = logging.getLogger(__name__)
 
 # Process titles of what computes: never moved by :func:`place`.
 COMPUTE_TITLES = ("VLLM::Worker",)
-# In the Ray session's directory: the processes that claim the CPU, one "pid:start time" a line.
+# In the Ray session's directory, one "pid:start time" a line: the processes that claim the CPU,
+# and the engines' workers each placing replica found under itself.
 _CLAIMS = "llm_gateway_compute_pids"
+ENGINES = "llm_gateway_engine_pids"
 
 
 def enabled() -> bool:
@@ -78,13 +88,14 @@ def engine_start(model: str, pins_own_worker: bool) -> Iterator[None]:
     (``pins_own_worker``: vLLM on CPU) moves the node's serving processes off them and drops the
     claim, while one that computes in the replica (the pipeline's origin) keeps it. Both moves
     are logged; neither fails the start (the module's doc)."""
+    started = _clock()  # what is started under this replica from now on is its engine's
     cpus = claim()
     if enabled() and _in_ray_worker():
         log.info("placement for %s: this replica claims CPUs %s while its engine starts",
                  model, sorted(cpus))
     yield
     if pins_own_worker:
-        done = place()
+        done = place(engine_since=started)
         if done is None and enabled() and _in_ray_worker():
             log.info("placement for %s: no engine worker pinned to CPUs on this node; "
                      "nothing moved", model)
@@ -99,9 +110,11 @@ def serving_cpus(allowed: set[int], engines: set[int]) -> set[int]:
     return (allowed - engines) or allowed
 
 
-def place() -> dict[str, Any] | None:
+def place(engine_since: float | None = None) -> dict[str, Any] | None:
     """Move this node's serving processes off every vLLM worker's cores (see the module's
-    doc). Returns what it did, or None where it does not apply."""
+    doc). With ``engine_since`` (when this replica claimed every CPU for its engine), the
+    pinned processes started under it since then are recorded as its engine's workers.
+    Returns what it did, or None where it does not apply."""
     if not enabled():
         return None
     try:
@@ -111,18 +124,24 @@ def place() -> dict[str, Any] | None:
         session = _session_dir(raylet)
         if raylet is None or session is None:
             return None
-        with _claims(session) as claims:  # one placement or claim of this node at a time
+        # One placement or claim of this node at a time: both take the claims file's lock first.
+        with _claims(session) as claims, _claims(session, ENGINES) as engines:
             claims.discard(_key(os.getpid()))  # this replica's engine is up: it serves now
-            return _place(raylet, session, claims)
+            if engine_since is not None:
+                engines.update(_key(p.pid) for p in _pinned_under(os.getpid(), engine_since))
+            return _place(raylet, session, claims, _pids(engines))
     except Exception as exc:  # an optimisation, never a reason to fail
         log.warning("could not keep the serving processes off the engine's CPUs: %s", exc)
         return None
 
 
-def _place(raylet: Any, session: str, claims: set[str]) -> dict[str, Any] | None:
+def _place(raylet: Any, session: str, claims: set[str],
+           recorded: set[int]) -> dict[str, Any] | None:
+    """Move ``raylet``'s node off the CPUs its engines' workers (titled, or ``recorded``) are
+    pinned to, keeping the workers and the claimants with what runs under them."""
     procs = _node_processes(raylet, session)
     allowed = set(os.sched_getaffinity(0))  # the placing replica claimed every CPU
-    workers = [p for p in procs if _title(p).startswith(COMPUTE_TITLES)]
+    workers = [p for p in procs if p.pid in recorded or _title(p).startswith(COMPUTE_TITLES)]
     engines = _pinned(workers, allowed)
     if not engines:
         return None
@@ -140,10 +159,10 @@ def _place(raylet: Any, session: str, claims: set[str]) -> dict[str, Any] | None
 
 
 @contextlib.contextmanager
-def _claims(session: str) -> Iterator[set[str]]:
-    """The node's claims, read and written back under an exclusive lock; claims of processes
-    that are gone are dropped."""
-    with open(os.path.join(session, _CLAIMS), "a+") as file:
+def _claims(session: str, name: str = _CLAIMS) -> Iterator[set[str]]:
+    """The node's claims (or, by ``name``, its recorded engine workers), read and written back
+    under an exclusive lock; entries of processes that are gone are dropped."""
+    with open(os.path.join(session, name), "a+") as file:
         fcntl.flock(file, fcntl.LOCK_EX)
         try:
             file.seek(0)
@@ -172,16 +191,51 @@ def _alive(claim: str) -> bool:
         return False
 
 
-def claimed(session: str | None) -> set[int]:
-    """The pids that claim the CPU in ``session`` now (for tests and diagnostics)."""
+def claimed(session: str | None, name: str = _CLAIMS) -> set[int]:
+    """The pids that claim the CPU in ``session`` now, or with ``name=ENGINES`` its recorded
+    engine workers (for tests and diagnostics)."""
     if not session:
         return set()
-    with _claims(session) as claims:
+    with _claims(session, name) as claims:
         return _pids(claims)
 
 
 def _pids(claims: set[str]) -> set[int]:
     return {int(c.partition(":")[0]) for c in claims}
+
+
+def _pinned_under(pid: int, since: float) -> list[Any]:
+    """The processes started under ``pid`` since ``since`` with a thread pinned to some of its
+    CPUs only: the workers of the engine it started. ``pid`` claimed every CPU at ``since``, so
+    what starts under it then inherits every CPU and no other placement narrows it; only what
+    pins itself is narrower."""
+    import psutil
+
+    everything = set(os.sched_getaffinity(pid))
+    try:
+        under = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p for p in under if _started_since(p, since) and _pinned([p], everything)]
+
+
+def _clock() -> float:
+    """Now on the clock of psutil's ``create_time``: boot time plus time since boot, the way
+    the kernel counts a process's start (``time.time()`` may differ from it by up to a second:
+    the kernel's boot time is written in whole seconds)."""
+    import psutil
+
+    return psutil.boot_time() + time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _started_since(proc: Any, since: float) -> bool:
+    import psutil
+
+    try:
+        # A start is counted in clock ticks, rounded down: one tick (at most 10 ms) of slack.
+        return proc.create_time() >= since - 0.01
+    except psutil.Error:
+        return False
 
 
 def _pids_under(proc: Any) -> set[int]:

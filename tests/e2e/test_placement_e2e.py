@@ -16,7 +16,7 @@ from typing import TypeVar
 import psutil
 import pytest
 
-from engines.placement import _session_dir, claimed
+from engines.placement import ENGINES, _session_dir, claimed
 from tests.e2e.conftest import MODEL
 
 T = TypeVar("T")
@@ -88,6 +88,9 @@ def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_
             assert not cpus & pinned, (_title(proc)[:60], cpus, pinned)
     for worker in workers:  # the engine itself is where vLLM put it
         assert any(c <= pinned for c in _threads_cpus(worker))
+    # and is known by where it is too (its replica recorded it), not only by its title
+    recorded = set().union(*(claimed(_session_dir(r), ENGINES) for r in raylets))
+    assert {w.pid for w in workers} <= recorded, (recorded, [w.pid for w in workers])
     # The placement step is in the engine replica's log lines, where an operator looks: Serve
     # writes them to the worker's stderr file at once, and to the replica's file under serve/
     # (buffered), both tagged with the replica's deployment.

@@ -112,3 +112,68 @@ def test_claims_name_live_processes_and_drop_the_gone(tmp_path):
         child.wait()
     assert placement.claimed(str(tmp_path)) == set()
     assert (tmp_path / placement._CLAIMS).read_text() == ""
+
+
+_PINS_ITSELF = """
+import os, sys, time
+os.sched_setaffinity(0, {%d})
+sys.stdout.write("pinned\\n"); sys.stdout.flush()
+time.sleep(60)
+"""
+
+
+def _pinned_child(cpu: int) -> subprocess.Popen:
+    """An untitled process (its command line is ``python -c ...``) pinned to ``cpu``, as a vLLM
+    worker whose title was not set."""
+    child = subprocess.Popen([sys.executable, "-c", _PINS_ITSELF % cpu], stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout.readline() == "pinned\n"
+    return child
+
+
+def test_a_replicas_engine_workers_are_the_pinned_processes_started_under_it_since_its_claim():
+    # Known by where they are, not by title: what pinned itself under the placing process since
+    # it claimed every CPU. A process pinned before then (narrowed by another placement) is not.
+    cpu = max(os.sched_getaffinity(0))
+    before = _pinned_child(cpu)
+    since = placement._clock()
+    worker = _pinned_child(cpu)
+    free = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        found = placement._pinned_under(os.getpid(), since)
+        assert [p.pid for p in found] == [worker.pid]
+    finally:
+        for child in (before, worker, free):
+            child.kill()
+            child.wait()
+
+
+def test_a_recorded_worker_keeps_its_cpu_whatever_its_title(tmp_path):
+    # A node (a stand-in raylet with two processes under it): an untitled worker pinned to one
+    # CPU, and a serving process. By title alone no engine is seen and nothing moves; with the
+    # worker recorded, the serving process and the raylet move off its CPU and it stays.
+    pins = _PINS_ITSELF % max(os.sched_getaffinity(0))
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        worker = subprocess.Popen([sys.executable, "-c", {pins!r}], stdout=subprocess.PIPE,
+                                  text=True)
+        worker.stdout.readline()
+        server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(worker.pid, server.pid, flush=True)
+        time.sleep(60)""")
+    root = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker, server = (int(pid) for pid in root.stdout.readline().split())
+        raylet, everything = psutil.Process(root.pid), set(os.sched_getaffinity(0))
+        engine = {max(everything)}
+        assert placement._place(raylet, str(tmp_path), set(), recorded=set()) is None
+        done = placement._place(raylet, str(tmp_path), set(), recorded={worker})
+        assert done is not None and done["engine_cpus"] == sorted(engine)
+        for pid in (root.pid, server):
+            assert os.sched_getaffinity(pid) == everything - engine
+        assert os.sched_getaffinity(worker) == engine
+    finally:
+        for proc in psutil.Process(root.pid).children(recursive=True):
+            proc.kill()
+        root.kill()
+        root.wait()
