@@ -161,17 +161,19 @@ def set_second_app(proc: subprocess.Popen, present: bool, settle_s: float = 40,
     path = started_with.with_name(f"second-{'present' if present else 'absent'}.json")
     path.write_text(json.dumps(config))
     _serve_cli("deploy", str(path))
-    deadline = time.monotonic() + timeout_s
+    deadline, status = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
-        roles = set(cputime.labels(proc.pid, apart=(SECOND_APP,)).values())
-        engine_up = f"VLLM::Worker @{SECOND_APP}" in roles
-        gone = not any(role.endswith(f" @{SECOND_APP}") for role in roles)
-        if (not present and gone) or (present and engine_up
-                                      and _app_status(SECOND_APP) == "RUNNING"):
+        # Serve reports RUNNING once the replica's constructor, the engine's start included,
+        # has returned: no process title needs to be read (vLLM's are sometimes missing).
+        status = _app_status(SECOND_APP)
+        gone = not any(role.endswith(f" @{SECOND_APP}")
+                       for role in cputime.labels(proc.pid, apart=(SECOND_APP,)).values())
+        if (not present and gone) or (present and status == "RUNNING"):
             time.sleep(settle_s)
             return
         time.sleep(2)
-    raise TimeoutError(f"{SECOND_APP} not {'running' if present else 'gone'} after {timeout_s} s")
+    raise TimeoutError(f"{SECOND_APP} not {'running' if present else 'gone'} after {timeout_s} s "
+                       f"(Serve's status of it: {status})")
 
 
 def _app_status(app: str) -> str | None:
