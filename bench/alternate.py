@@ -245,6 +245,24 @@ def _setting_line(name: str, got: list[dict], first: float) -> str:
             f"{sched_wait:.3f} | {worker:.3f} | {outside:.3f} | {client:.3f} |")
 
 
+def paired(rows: list[dict]) -> tuple[float, float, int] | None:
+    """Two settings' loads in ABBA order as neighbouring pairs (loads 1-2, 3-4, ...): the mean
+    of each pair's second-setting rate over its first-setting rate, its standard error and the
+    number of pairs. A drift of the box between pairs cancels within each pair; None for other
+    than two settings or under two pairs."""
+    names = list(dict.fromkeys(r["setting"] for r in rows))
+    if len(names) != 2:
+        return None
+    ratios = []
+    for a, b in zip(rows[::2], rows[1::2], strict=False):  # an odd last load has no pair
+        by = {a["setting"]: a["output_throughput"], b["setting"]: b["output_throughput"]}
+        if len(by) == 2:
+            ratios.append(by[names[1]] / by[names[0]])
+    if len(ratios) < 2:
+        return None
+    return (statistics.fmean(ratios), statistics.stdev(ratios) / len(ratios) ** 0.5, len(ratios))
+
+
 def summarize(rows: list[dict], args) -> str:
     first = _mean([r for r in rows if r["setting"] == rows[0]["setting"]],
                   lambda r: r["output_throughput"])
@@ -255,6 +273,11 @@ def summarize(rows: list[dict], args) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["setting"] for r in rows):
         lines.append(_setting_line(name, [r for r in rows if r["setting"] == name], first))
+    pairs = paired(rows)
+    if pairs is not None:
+        names = list(dict.fromkeys(r["setting"] for r in rows))
+        lines += ["", f"Paired loads ({pairs[2]} pairs of neighbours): {names[1]} vs {names[0]} "
+                  f"{pairs[0]:.3f}x, standard error {pairs[1]:.3f}."]
     lines += ["", f"Failed requests: {sum(r.get('failed', 0) for r in rows)}. "
               f"Machine: {machine()}."]
     return "\n".join(lines)

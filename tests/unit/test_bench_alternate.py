@@ -106,6 +106,17 @@ def test_summary_compares_each_setting_with_the_first():
     assert cells[4] == "0.100 / 0.300" and cells[5] == "0.600"
     assert cells[6] == "0.250"  # HAProxy and the replica: outside the engine
     assert "Failed requests: 0" in text
+    # neighbours 1-2 and 3-4: 110/100 and 130/120, so the box's drift between pairs cancels
+    assert "Paired loads (2 pairs of neighbours): cpus=worker vs cpus=serving 1.092x" in text
+    assert "standard error 0.008" in text
+
+
+def test_paired_ratios_need_two_settings_and_two_pairs():
+    two = [_row("a", 100, 0.4), _row("b", 90, 0.4), _row("b", 99, 0.4), _row("a", 110, 0.4)]
+    mean, error, pairs = alternate.paired(two)
+    assert pairs == 2 and abs(mean - 0.9) < 1e-9 and error < 1e-9
+    assert alternate.paired(two[:2]) is None  # one pair: no spread to read
+    assert alternate.paired([_row("a", 100, 0.4)] * 4) is None
 
 
 def test_the_engine_is_found_by_title_and_two_models_are_refused(monkeypatch):
