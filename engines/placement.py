@@ -15,13 +15,13 @@ also run on every CPU again. Pipeline stage actors and the pipeline's origin rep
 good. A vLLM replica claims while its engine starts and its own :func:`place` drops the claim:
 a Ray worker forked from a raylet that was moved starts on the serving CPUs only, vLLM picks
 its worker's cores from the process's affinity, and another engine placing the node meanwhile
-must not narrow it. Claims and placements of one node take
-turns on a file lock; a claim names the pid and its start time (pids are reused).
+must not narrow it. Claims and placements of one node take turns on a file lock; a claim names
+the pid and its start time in clock ticks since boot (pids are reused; the wall clock may step).
 
-A vLLM worker is known by its title, and also by where it is: the processes under a placing
-replica whose threads are pinned to some CPUs only are its engine's workers, recorded in the
-session's engines file, so that no later placement moves them even when vLLM could not set
-their titles (once in ten starts on a test box both models' processes kept the title
+A vLLM worker is known by its title, and also by where it is: the processes started under a
+placing replica since its claim whose threads are pinned to some CPUs only are its engine's
+workers, recorded in the session's engines file, so that no later placement moves them even
+when vLLM could not set their titles (once in ten starts on a test box both models' processes kept the title
 ``python``, and the second model's placement moved the first one's worker onto the serving
 CPU; docs/benchmarks.md).
 
@@ -29,8 +29,8 @@ Only inside a Ray worker process (a replica, an actor), never in a driver or a t
 ``LLM_GATEWAY_PLACEMENT=off`` turns it off. Placement never fails a start: an error is logged
 and the node runs as it was. A node whose last engine stopped keeps its placement until the
 next engine starts and places it again. An operator's own ``taskset`` of Ray's processes is
-not kept: a starting engine widens to every CPU the cpuset allows. Only vLLM's CPU workers count
-as engines: on GPUs (workers not pinned) nothing moves.
+not kept: a starting engine widens to every CPU the cpuset allows. Only what an engine pinned
+(vLLM's CPU workers) counts as an engine: on GPUs (workers not pinned) nothing moves.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ import os
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from engines.reaper import start_ticks
 
 __all__ = ["COMPUTE_TITLES", "ENGINES", "claim", "claimed", "engine_start", "place", "serving_cpus"]
 
@@ -88,7 +90,7 @@ def engine_start(model: str, pins_own_worker: bool) -> Iterator[None]:
     (``pins_own_worker``: vLLM on CPU) moves the node's serving processes off them and drops the
     claim, while one that computes in the replica (the pipeline's origin) keeps it. Both moves
     are logged; neither fails the start (the module's doc)."""
-    started = _clock()  # what is started under this replica from now on is its engine's
+    started = _ticks_now()  # what is started under this replica from now on is its engine's
     cpus = claim()
     if enabled() and _in_ray_worker():
         log.info("placement for %s: this replica claims CPUs %s while its engine starts",
@@ -110,10 +112,11 @@ def serving_cpus(allowed: set[int], engines: set[int]) -> set[int]:
     return (allowed - engines) or allowed
 
 
-def place(engine_since: float | None = None) -> dict[str, Any] | None:
+def place(engine_since: int | None = None) -> dict[str, Any] | None:
     """Move this node's serving processes off every vLLM worker's cores (see the module's
-    doc). With ``engine_since`` (when this replica claimed every CPU for its engine), the
-    pinned processes started under it since then are recorded as its engine's workers.
+    doc). With ``engine_since`` (when this replica claimed every CPU for its engine, in clock
+    ticks since boot), the pinned processes started under it since then are recorded as its
+    engine's workers.
     Returns what it did, or None where it does not apply."""
     if not enabled():
         return None
@@ -128,7 +131,10 @@ def place(engine_since: float | None = None) -> dict[str, Any] | None:
         with _claims(session) as claims, _claims(session, ENGINES) as engines:
             claims.discard(_key(os.getpid()))  # this replica's engine is up: it serves now
             if engine_since is not None:
-                engines.update(_key(p.pid) for p in _pinned_under(os.getpid(), engine_since))
+                mine = _pinned_under(os.getpid(), engine_since)
+                engines.update(mine)
+                log.info("this replica's engine workers (processes started under it that pinned "
+                         "themselves): %s", sorted(int(k.partition(":")[0]) for k in mine))
             return _place(raylet, session, claims, _pids(engines))
     except Exception as exc:  # an optimisation, never a reason to fail
         log.warning("could not keep the serving processes off the engine's CPUs: %s", exc)
@@ -177,10 +183,9 @@ def _claims(session: str, name: str = _CLAIMS) -> Iterator[set[str]]:
 
 
 def _key(pid: int) -> str:
-    """A process as a claim names it: pid and start time, since pids are reused."""
-    import psutil
-
-    return f"{pid}:{psutil.Process(pid).create_time()}"
+    """A process as a claim names it: pid and start time in clock ticks since boot, since pids
+    are reused (a wall-clock step changes neither)."""
+    return f"{pid}:{start_ticks(pid)}"
 
 
 def _alive(claim: str) -> bool:
@@ -204,38 +209,30 @@ def _pids(claims: set[str]) -> set[int]:
     return {int(c.partition(":")[0]) for c in claims}
 
 
-def _pinned_under(pid: int, since: float) -> list[Any]:
-    """The processes started under ``pid`` since ``since`` with a thread pinned to some of its
-    CPUs only: the workers of the engine it started. ``pid`` claimed every CPU at ``since``, so
-    what starts under it then inherits every CPU and no other placement narrows it; only what
-    pins itself is narrower."""
+def _pinned_under(pid: int, since: int) -> set[str]:
+    """The processes started under ``pid`` since ``since`` (clock ticks since boot) with a
+    thread pinned to some of its CPUs only, as claims name them: the workers of the engine it
+    started. ``pid`` claimed every CPU at ``since``, so what starts under it then inherits
+    every CPU and no other placement narrows it; only what pins itself is narrower. A process
+    that ends meanwhile is left out."""
     import psutil
 
     everything = set(os.sched_getaffinity(pid))
     try:
         under = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
-        return []
-    return [p for p in under if _started_since(p, since) and _pinned([p], everything)]
+        return set()
+    found = set()
+    for proc in under:
+        ticks = start_ticks(proc.pid)
+        if ticks is not None and ticks >= since and _pinned([proc], everything):
+            found.add(f"{proc.pid}:{ticks}")
+    return found
 
 
-def _clock() -> float:
-    """Now on the clock of psutil's ``create_time``: boot time plus time since boot, the way
-    the kernel counts a process's start (``time.time()`` may differ from it by up to a second:
-    the kernel's boot time is written in whole seconds)."""
-    import psutil
-
-    return psutil.boot_time() + time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
-def _started_since(proc: Any, since: float) -> bool:
-    import psutil
-
-    try:
-        # A start is counted in clock ticks, rounded down: one tick (at most 10 ms) of slack.
-        return proc.create_time() >= since - 0.01
-    except psutil.Error:
-        return False
+def _ticks_now() -> int:
+    """Now in clock ticks since boot, the clock of a process's start (``start_ticks``)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
 def _pids_under(proc: Any) -> set[int]:

@@ -98,6 +98,7 @@ def test_the_serving_processes_run_off_the_cpus_vllms_worker_computes_on(openai_
              if f"engine-{MODEL}" in line]
     assert any(f"placement for {MODEL}: this replica claims CPUs" in line for line in lines)
     assert any("serving processes" in line and "moved to CPUs" in line for line in lines)
+    assert any("this replica's engine workers" in line for line in lines)
 
 
 def _log_lines(folder: str) -> list[str]:

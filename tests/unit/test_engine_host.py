@@ -159,7 +159,7 @@ def test_an_engine_starts_inside_the_placement_step_its_kind_names(monkeypatch, 
                                                                    steps):
     done: list[str] = []
     monkeypatch.setattr(placement, "claim", lambda: done.append("claim") or {0})
-    monkeypatch.setattr(placement, "place", lambda: done.append("place") or None)
+    monkeypatch.setattr(placement, "place", lambda **_: done.append("place") or None)
     # the class as the kind's path imports it (pytest names this module otherwise)
     built = importlib.import_module("tests.unit.test_engine_host")._FromConfig
     monkeypatch.setattr(built, "started", lambda: done.append("start"))

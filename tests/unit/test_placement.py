@@ -14,6 +14,7 @@ import pytest
 
 from engines import placement
 from engines.placement import _pinned, serving_cpus
+from engines.reaper import start_ticks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
@@ -133,19 +134,33 @@ def _pinned_child(cpu: int) -> subprocess.Popen:
 
 def test_a_replicas_engine_workers_are_the_pinned_processes_started_under_it_since_its_claim():
     # Known by where they are, not by title: what pinned itself under the placing process since
-    # it claimed every CPU. A process pinned before then (narrowed by another placement) is not.
-    cpu = max(os.sched_getaffinity(0))
-    before = _pinned_child(cpu)
-    since = placement._clock()
-    worker = _pinned_child(cpu)
-    free = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # it claimed every CPU. A process pinned before then (narrowed by another placement) is not,
+    # nor one that pins nothing. Under a stand-in replica of their own: pytest's own children
+    # (a test session's Ray node) are not this test's.
+    pins = _PINS_ITSELF % max(os.sched_getaffinity(0))
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        from engines.placement import _ticks_now
+        def pinned():
+            child = subprocess.Popen([sys.executable, "-c", {pins!r}], stdout=subprocess.PIPE,
+                                     text=True)
+            child.stdout.readline()
+            return child
+        before = pinned()
+        time.sleep(0.05)  # a clock tick (10 ms) or more between it and the claim
+        since = _ticks_now()
+        worker = pinned()
+        free = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print(before.pid, since, worker.pid, flush=True)
+        time.sleep(60)""")
+    replica = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     try:
-        found = placement._pinned_under(os.getpid(), since)
-        assert [p.pid for p in found] == [worker.pid]
+        before, since, worker = (int(x) for x in replica.stdout.readline().split())
+        found = placement._pinned_under(replica.pid, since)
+        assert found == {f"{worker}:{start_ticks(worker)}"}, (found, before)
     finally:
-        for child in (before, worker, free):
-            child.kill()
-            child.wait()
+        _kill_tree(replica)
 
 
 def test_a_recorded_worker_keeps_its_cpu_whatever_its_title(tmp_path):
@@ -173,7 +188,11 @@ def test_a_recorded_worker_keeps_its_cpu_whatever_its_title(tmp_path):
             assert os.sched_getaffinity(pid) == everything - engine
         assert os.sched_getaffinity(worker) == engine
     finally:
-        for proc in psutil.Process(root.pid).children(recursive=True):
-            proc.kill()
-        root.kill()
-        root.wait()
+        _kill_tree(root)
+
+
+def _kill_tree(root: subprocess.Popen) -> None:
+    for proc in psutil.Process(root.pid).children(recursive=True):
+        proc.kill()
+    root.kill()
+    root.wait()
