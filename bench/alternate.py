@@ -245,11 +245,20 @@ def _setting_line(name: str, got: list[dict], first: float) -> str:
             f"{sched_wait:.3f} | {worker:.3f} | {outside:.3f} | {client:.3f} |")
 
 
-def paired(rows: list[dict]) -> tuple[float, float, int] | None:
-    """Two settings' loads in ABBA order as neighbouring pairs (loads 1-2, 3-4, ...): the mean
-    of each pair's second-setting rate over its first-setting rate, its standard error and the
-    number of pairs. A drift of the box between pairs cancels within each pair; None for other
-    than two settings or under two pairs."""
+class Paired(msgspec.Struct, frozen=True):
+    """Two settings' loads read as neighbouring pairs: ``second`` against ``first``."""
+
+    first: str
+    second: str
+    mean: float  # of each pair's second-setting rate over its first-setting rate
+    error: float  # the mean's standard error
+    pairs: int
+
+
+def paired(rows: list[dict]) -> Paired | None:
+    """Two settings' loads in ABBA order as neighbouring pairs (loads 1-2, 3-4, ...). A drift of
+    the box between pairs cancels within each pair; None for other than two settings or under
+    two pairs."""
     names = list(dict.fromkeys(r["setting"] for r in rows))
     if len(names) != 2:
         return None
@@ -260,7 +269,8 @@ def paired(rows: list[dict]) -> tuple[float, float, int] | None:
             ratios.append(by[names[1]] / by[names[0]])
     if len(ratios) < 2:
         return None
-    return (statistics.fmean(ratios), statistics.stdev(ratios) / len(ratios) ** 0.5, len(ratios))
+    return Paired(first=names[0], second=names[1], mean=statistics.fmean(ratios),
+                  error=statistics.stdev(ratios) / len(ratios) ** 0.5, pairs=len(ratios))
 
 
 def summarize(rows: list[dict], args) -> str:
@@ -275,9 +285,8 @@ def summarize(rows: list[dict], args) -> str:
         lines.append(_setting_line(name, [r for r in rows if r["setting"] == name], first))
     pairs = paired(rows)
     if pairs is not None:
-        names = list(dict.fromkeys(r["setting"] for r in rows))
-        lines += ["", f"Paired loads ({pairs[2]} pairs of neighbours): {names[1]} vs {names[0]} "
-                  f"{pairs[0]:.3f}x, standard error {pairs[1]:.3f}."]
+        lines += ["", f"Paired loads ({pairs.pairs} pairs of neighbours): {pairs.second} vs "
+                  f"{pairs.first} {pairs.mean:.3f}x, standard error {pairs.error:.3f}."]
     lines += ["", f"Failed requests: {sum(r.get('failed', 0) for r in rows)}. "
               f"Machine: {machine()}."]
     return "\n".join(lines)

@@ -21,9 +21,9 @@ the pid and its start time in clock ticks since boot (pids are reused; the wall 
 A vLLM worker is known by its title, and also by where it is: the processes started under a
 placing replica since its claim whose threads are pinned to some CPUs only are its engine's
 workers, recorded in the session's engines file, so that no later placement moves them even
-when vLLM could not set their titles (once in ten starts on a test box both models' processes kept the title
-``python``, and the second model's placement moved the first one's worker onto the serving
-CPU; docs/benchmarks.md).
+when vLLM could not set their titles (once in ten starts on a test box both models' processes
+kept the title ``python``, and the second model's placement moved the first one's worker onto
+the serving CPU; docs/benchmarks.md).
 
 Only inside a Ray worker process (a replica, an actor), never in a driver or a test process;
 ``LLM_GATEWAY_PLACEMENT=off`` turns it off. Placement never fails a start: an error is logged
@@ -134,7 +134,7 @@ def place(engine_since: int | None = None) -> dict[str, Any] | None:
                 mine = _pinned_under(os.getpid(), engine_since)
                 engines.update(mine)
                 log.info("this replica's engine workers (processes started under it that pinned "
-                         "themselves): %s", sorted(int(k.partition(":")[0]) for k in mine))
+                         "themselves): %s", sorted(_pids(mine)))
             return _place(raylet, session, claims, _pids(engines))
     except Exception as exc:  # an optimisation, never a reason to fail
         log.warning("could not keep the serving processes off the engine's CPUs: %s", exc)
@@ -182,10 +182,10 @@ def _claims(session: str, name: str = _CLAIMS) -> Iterator[set[str]]:
             fcntl.flock(file, fcntl.LOCK_UN)
 
 
-def _key(pid: int) -> str:
-    """A process as a claim names it: pid and start time in clock ticks since boot, since pids
-    are reused (a wall-clock step changes neither)."""
-    return f"{pid}:{start_ticks(pid)}"
+def _key(pid: int, ticks: int | None = None) -> str:
+    """A process as a claim names it: pid and start time in clock ticks since boot (``ticks``,
+    read when not given), since pids are reused (a wall-clock step changes neither)."""
+    return f"{pid}:{start_ticks(pid) if ticks is None else ticks}"
 
 
 def _alive(claim: str) -> bool:
@@ -226,7 +226,7 @@ def _pinned_under(pid: int, since: int) -> set[str]:
     for proc in under:
         ticks = start_ticks(proc.pid)
         if ticks is not None and ticks >= since and _pinned([proc], everything):
-            found.add(f"{proc.pid}:{ticks}")
+            found.add(_key(proc.pid, ticks))
     return found
 
 

@@ -113,8 +113,9 @@ def test_summary_compares_each_setting_with_the_first():
 
 def test_paired_ratios_need_two_settings_and_two_pairs():
     two = [_row("a", 100, 0.4), _row("b", 90, 0.4), _row("b", 99, 0.4), _row("a", 110, 0.4)]
-    mean, error, pairs = alternate.paired(two)
-    assert pairs == 2 and abs(mean - 0.9) < 1e-9 and error < 1e-9
+    got = alternate.paired(two)
+    assert (got.first, got.second) == ("a", "b")
+    assert got.pairs == 2 and abs(got.mean - 0.9) < 1e-9 and got.error < 1e-9
     assert alternate.paired(two[:2]) is None  # one pair: no spread to read
     assert alternate.paired([_row("a", 100, 0.4)] * 4) is None
 

@@ -123,15 +123,6 @@ time.sleep(60)
 """
 
 
-def _pinned_child(cpu: int) -> subprocess.Popen:
-    """An untitled process (its command line is ``python -c ...``) pinned to ``cpu``, as a vLLM
-    worker whose title was not set."""
-    child = subprocess.Popen([sys.executable, "-c", _PINS_ITSELF % cpu], stdout=subprocess.PIPE,
-                             text=True)
-    assert child.stdout.readline() == "pinned\n"
-    return child
-
-
 def test_a_replicas_engine_workers_are_the_pinned_processes_started_under_it_since_its_claim():
     # Known by where they are, not by title: what pinned itself under the placing process since
     # it claimed every CPU. A process pinned before then (narrowed by another placement) is not,
