@@ -96,11 +96,14 @@ def parse_setting(text: str) -> Setting:
                      "second=present|absent")
 
 
-def abba(settings: list[Setting], passes: int) -> list[Setting]:
-    """The loads' order: every setting once per pass, forward then backward (A B, B A, A B)."""
+def abba(settings: list[Setting], passes: int, visit: int = 1) -> list[Setting]:
+    """The loads' order: every setting once per pass, forward then backward (A B, B A, A B),
+    each ``visit`` loads in a row (a setting that takes long to change, ``second``, then
+    changes once per ``visit`` loads instead of every other load)."""
     order: list[Setting] = []
     for i in range(passes):
-        order += settings if i % 2 == 0 else settings[::-1]
+        for setting in settings if i % 2 == 0 else settings[::-1]:
+            order += [setting] * visit
     return order
 
 
@@ -219,7 +222,7 @@ def measure(args) -> list[dict]:
         engine = find_engine(proc.pid)
         run_load(port, model, model_dir, args.concurrency, 2 * args.concurrency, "openai",
                  args.client)  # the first load after a start is slower; not recorded
-        for setting in abba(args.settings, args.passes):
+        for setting in abba(args.settings, args.passes, args.visit):
             rows.append(_load(args, setting, engine, proc, port, model, model_dir))
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -255,18 +258,21 @@ class Paired(msgspec.Struct, frozen=True):
     pairs: int
 
 
-def paired(rows: list[dict]) -> Paired | None:
-    """Two settings' loads in ABBA order as neighbouring pairs (loads 1-2, 3-4, ...). A drift of
-    the box between pairs cancels within each pair; None for other than two settings or under
-    two pairs."""
+def paired(rows: list[dict], visit: int = 1) -> Paired | None:
+    """Two settings' loads in ABBA order as neighbouring pairs: with one load a visit loads 1-2,
+    3-4, ...; with ``visit`` loads a visit, the i-th load of each visit with the i-th of the
+    next (visits 1-2, 3-4, ...). A drift of the box between pairs cancels within each pair;
+    None for other than two settings or under two pairs."""
     names = list(dict.fromkeys(r["setting"] for r in rows))
     if len(names) != 2:
         return None
     ratios = []
-    for a, b in zip(rows[::2], rows[1::2], strict=False):  # an odd last load has no pair
-        by = {a["setting"]: a["output_throughput"], b["setting"]: b["output_throughput"]}
-        if len(by) == 2:
-            ratios.append(by[names[1]] / by[names[0]])
+    visits = [rows[i:i + visit] for i in range(0, len(rows), visit)]
+    for one, other in zip(visits[::2], visits[1::2], strict=False):  # an odd last has no pair
+        for a, b in zip(one, other, strict=False):
+            by = {a["setting"]: a["output_throughput"], b["setting"]: b["output_throughput"]}
+            if len(by) == 2:
+                ratios.append(by[names[1]] / by[names[0]])
     if len(ratios) < 2:
         return None
     return Paired(first=names[0], second=names[1], mean=statistics.fmean(ratios),
@@ -277,13 +283,14 @@ def summarize(rows: list[dict], args) -> str:
     first = _mean([r for r in rows if r["setting"] == rows[0]["setting"]],
                   lambda r: r["output_throughput"])
     lines = [f"{args.target}, {args.model} model, c={args.concurrency}, {args.num_prompts} prompts"
-             f" a load, settings in ABBA order, load generator at {args.client} priority.", "",
+             f" a load, settings in ABBA order ({args.visit} loads a visit), load generator at "
+             f"{args.client} priority.", "",
              "| setting | output tok/s (loads) | mean | vs first | scheduler CPU / wait ms a token"
              " | worker CPU ms a token | outside the engine ms a token | load generator ms a token |",
              "|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["setting"] for r in rows):
         lines.append(_setting_line(name, [r for r in rows if r["setting"] == name], first))
-    pairs = paired(rows)
+    pairs = paired(rows, args.visit)
     if pairs is not None:
         lines += ["", f"Paired loads ({pairs.pairs} pairs of neighbours): {pairs.second} vs "
                   f"{pairs.first} {pairs.mean:.3f}x, standard error {pairs.error:.3f}."]
@@ -300,6 +307,8 @@ def main() -> None:
                                                parse_setting("cpus=worker")],
                         type=lambda s: [parse_setting(x) for x in s.split(",") if x])
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--visit", type=int, default=1,
+                        help="loads in a row of each setting (1: A B B A; 2: A A B B B B A A)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--client-priority", dest="client", choices=CLIENT_PRIORITIES,

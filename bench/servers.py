@@ -153,7 +153,10 @@ def set_second_app(proc: subprocess.Popen, present: bool, settle_s: float = 40,
     or plus that application. Serve leaves the applications whose config did not change as
     they run: the measured model's replica and engine, and the gateway's ingress. Returns
     ``settle_s`` after the application's processes are gone, or after it runs: past a new
-    engine's start-up tail (its monitor's first 30 s) and HAProxy's reload."""
+    engine's start-up tail (its monitor's first 30 s) and HAProxy's reload. Already as
+    wanted: returns at once, with nothing deployed and no settling (a visit of several loads)."""
+    if _second_app_is(proc, present, _app_status(SECOND_APP)):
+        return
     started_with = Path(proc.args[-1])  # serve_run's config
     config = json.loads(started_with.read_text())
     if not present:
@@ -166,14 +169,20 @@ def set_second_app(proc: subprocess.Popen, present: bool, settle_s: float = 40,
         # Serve reports RUNNING once the replica's constructor, the engine's start included,
         # has returned: no process title needs to be read (vLLM's are sometimes missing).
         status = _app_status(SECOND_APP)
-        gone = not any(role.endswith(f" @{SECOND_APP}")
-                       for role in cputime.labels(proc.pid, apart=(SECOND_APP,)).values())
-        if (not present and gone) or (present and status == "RUNNING"):
+        if _second_app_is(proc, present, status):
             time.sleep(settle_s)
             return
         time.sleep(2)
     raise TimeoutError(f"{SECOND_APP} not {'running' if present else 'gone'} after {timeout_s} s "
                        f"(Serve's status of it: {status})")
+
+
+def _second_app_is(proc: subprocess.Popen, present: bool, status: str | None) -> bool:
+    """The second application runs (Serve's ``status``), or none of its processes is left."""
+    if present:
+        return status == "RUNNING"
+    return not any(role.endswith(f" @{SECOND_APP}")
+                   for role in cputime.labels(proc.pid, apart=(SECOND_APP,)).values())
 
 
 def _app_status(app: str) -> str | None:

@@ -46,6 +46,7 @@ def test_loads_run_forward_then_backward_so_a_linear_drift_cancels():
     a, b = Setting("cpus", "serving"), Setting("cpus", "worker")
     assert abba([a, b], 3) == [a, b, b, a, a, b]
     assert abba([a], 2) == [a, a]
+    assert abba([a, b], 2, visit=2) == [a, a, b, b, b, b, a, a]
 
 
 def _engine(worker=frozenset({0}), placed=frozenset({1})) -> Engine:
@@ -97,7 +98,7 @@ def _row(setting, rate, sched_cpu, client=0.4):
 def test_summary_compares_each_setting_with_the_first():
     rows = [_row("cpus=serving", 100, 0.4), _row("cpus=worker", 110, 0.1),
             _row("cpus=worker", 130, 0.1), _row("cpus=serving", 120, 0.4)]
-    args = SimpleNamespace(target="gateway", model="tiny", concurrency=16, num_prompts=512,
+    args = SimpleNamespace(target="gateway", model="tiny", concurrency=16, num_prompts=512, visit=1,
                            client="realtime")
     text = alternate.summarize(rows, args)
     line = next(x for x in text.splitlines() if x.startswith("| cpus=worker |"))
@@ -118,6 +119,14 @@ def test_paired_ratios_need_two_settings_and_two_pairs():
     assert got.pairs == 2 and abs(got.mean - 0.9) < 1e-9 and got.error < 1e-9
     assert alternate.paired(two[:2]) is None  # one pair: no spread to read
     assert alternate.paired([_row("a", 100, 0.4)] * 4) is None
+
+
+def test_with_visits_of_several_loads_each_load_pairs_with_its_like_in_the_next_visit():
+    rows = [_row(s, rate, 0.4) for s, rate in
+            [("a", 100), ("a", 200), ("b", 90), ("b", 180), ("b", 99), ("b", 198), ("a", 110),
+             ("a", 220), ("a", 500)]]  # the last visit has no neighbour: left out
+    got = alternate.paired(rows, visit=2)
+    assert got.pairs == 4 and abs(got.mean - 0.9) < 1e-9 and got.error < 1e-9
 
 
 def test_the_engine_is_found_by_title_and_two_models_are_refused(monkeypatch):
