@@ -22,10 +22,13 @@ the server placed them. Settings:
 Each load records the rate and latencies, CPU per token by process, the scheduler's and the
 worker's CPU and run-queue wait per token (``cputime.schedstat``), and the load generator's own
 CPU per token, its start included (it shares the box). Results: ``bench/results/alternate.json``
-and ``alternate.md``; docs/benchmarks.md, "vLLM's busy wait"::
+and ``alternate.md``; docs/benchmarks.md, "vLLM's busy wait". A setting slow to change
+(``second``: a deploy takes minutes) can run ``--visit K`` loads in a row; each load then pairs
+with its like in the next visit ("The two-model bar over two more runs")::
 
     python bench/alternate.py --target gateway --settings cpus=serving,cpus=worker --passes 3
-    python bench/alternate.py --target gateway-two-apps --settings second=present,second=absent
+    python bench/alternate.py --target gateway-two-apps --settings second=present,second=absent \
+        --passes 8 --visit 2
 """
 
 from __future__ import annotations
