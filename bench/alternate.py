@@ -317,6 +317,8 @@ def main() -> None:
     parser.add_argument("--client-priority", dest="client", choices=CLIENT_PRIORITIES,
                         default="realtime")
     args = parser.parse_args()
+    if args.visit < 1:
+        parser.error("--visit: at least one load a visit")
     refuse_unprivileged_niceness(args.settings)
     refuse_second_without_two_apps(args.settings, args.target)
     args.client = client_priority(args.client)
