@@ -95,7 +95,9 @@ def tools_controller(tools: tuple[ToolDefinition, ...], choice: ToolChoice,
                      parallel: bool) -> ControllerSpec | None:
     """The grammar controller for ``choice`` over ``tools`` (None for ``none``): a call is the
     markup of ``protocols.internal`` around arguments valid against the function's schema;
-    ``auto`` also admits any text that does not start like a call. ``tools`` are as
+    ``auto`` also admits any text that does not start like a call. A named function is exactly
+    one call whatever ``parallel`` says: a client that names the function reads one call and
+    runs it (OpenAI's forced call, Anthropic's ``tool`` choice). ``tools`` are as
     ``tool_definitions`` made them (bounded, distinct)."""
     if choice.mode == "none" or not tools:
         return None
@@ -109,7 +111,8 @@ def tools_controller(tools: tuple[ToolDefinition, ...], choice: ToolChoice,
         rules.append(f"call_{i}: {_lark_string(tool_call_head(tool.name))} args_{i} "
                      f"{_lark_string(TOOL_CALL_TAIL)}")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
-    calls = 'call ("\\n" call)*' if parallel else "call"
+    several = parallel and choice.mode != "function"
+    calls = 'call ("\\n" call)*' if several else "call"
     start = f"start: TEXT | {calls}" if choice.mode == "auto" else f"start: {calls}"
     text = [f"TEXT: /{_not_starting_with(TOOL_CALL_OPEN)}/"] if choice.mode == "auto" else []
     return grammar_controller({"lark_grammar": "\n".join([start, *rules, *text])})
@@ -170,21 +173,25 @@ Piece = TextPiece | CallStart | ArgumentsPiece
 
 class ReadCall(msgspec.Struct, kw_only=True):
     """A call as a whole choice's text held it; ``arguments`` is JSON text, cut short when the
-    token limit cut the call."""
+    token limit cut the call (``cut``)."""
 
     id: str
     name: str
     arguments: str
+    cut: bool = False
 
 
-def whole_text(pieces: list[Piece]) -> tuple[str, list[ReadCall]]:
-    """A whole choice's pieces as its text and its calls, in order."""
+def whole_text(pieces: list[Piece], reader: ToolCallReader) -> tuple[str, list[ReadCall]]:
+    """A whole choice's pieces, all that ``reader`` read, as its text and its calls in order;
+    the last is marked ``cut`` if the token limit cut it (docs/protocols/tools.md)."""
     calls: list[ReadCall] = []
     for piece in pieces:
         if isinstance(piece, CallStart):
             calls.append(ReadCall(id=piece.id, name=piece.name, arguments=""))
         elif isinstance(piece, ArgumentsPiece):
             calls[piece.index].arguments += piece.text
+    if calls and reader.inside_call:
+        calls[-1].cut = True
     return "".join(p.text for p in pieces if isinstance(p, TextPiece)), calls
 
 
@@ -207,6 +214,12 @@ class ToolCallReader:
         if choice.mode == "none":
             reader.mode = "text"
         return reader
+
+    @property
+    def inside_call(self) -> bool:
+        """Whether the text read so far ends inside a call's arguments; once the choice has
+        ended, whether its last call was cut off by the token limit."""
+        return self.in_arguments
 
     def read(self, text: str, final: bool = False) -> list[Piece]:
         """``feed``, and at the choice's end (``final``) ``finish`` too."""

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic_core import from_json
+
 from protocols.anthropic.errors import error_body, from_event
 from protocols.internal import (
     BacktrackEvent,
@@ -49,9 +51,16 @@ def _stop(final: FinalEvent, called: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _input(arguments: str) -> dict[str, Any]:
+    """A ``tool_use`` block's ``input``: a cut call's as far as its JSON got, read as the
+    anthropic SDK reads a streamed block's ``input_json_delta`` s (an unfinished value left
+    out), so the whole message equals the stream's (docs/protocols/tools.md)."""
+    return from_json(arguments, allow_partial=True) if arguments else {}
+
+
 async def message_response(events: AsyncIterator[Event], meta: MessageMeta) -> dict[str, Any]:
-    """The whole Message; an error event raises. A call cut off by ``max_tokens`` is left out
-    (its input would not be an object)."""
+    """The whole Message; an error event raises. A call cut off by ``max_tokens`` is there
+    with the input it had got (``stop_reason: max_tokens``), as the stream has it."""
     reader, pieces, final, output = _reader(meta.tools), [], None, 0
     async for event in fold_splices(events):
         if isinstance(event, ErrorEvent):
@@ -63,14 +72,11 @@ async def message_response(events: AsyncIterator[Event], meta: MessageMeta) -> d
             final = event
             pieces += reader.read(event.text, final=True)
     assert final is not None  # the stream contract: a FinalEvent ends every choice
-    text, calls = whole_text(pieces)
+    text, calls = whole_text(pieces, reader)
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
-    for call in calls:
-        try:
-            content.append({"type": "tool_use", "id": call.id, "name": call.name,
-                            "input": json.loads(call.arguments)})
-        except ValueError:
-            continue  # cut off by max_tokens
+    content += [{"type": "tool_use", "id": call.id, "name": call.name,
+                 "input": _input(call.arguments) if call.cut else json.loads(call.arguments)}
+                for call in calls]
     stop_reason, stop_sequence = _stop(final, bool(calls))
     return {"id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,

@@ -30,7 +30,7 @@ def chat_message(text: str, choice: ToolChoice | None) -> tuple[dict[str, Any], 
     reader = _reader(choice)
     if reader is None:
         return {"role": "assistant", "content": text}, False
-    content, calls = whole_text(reader.read(text, final=True))
+    content, calls = whole_text(reader.read(text, final=True), reader)
     message: dict[str, Any] = {"role": "assistant", "content": (content or None) if calls else content}
     if calls:
         message["tool_calls"] = [{"id": c.id, "type": "function",

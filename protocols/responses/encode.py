@@ -55,6 +55,15 @@ def _status(final: FinalEvent) -> str:
     return "incomplete" if final.finish_reason == "length" else "completed"
 
 
+def _last_item_status(final: FinalEvent, items: _Items, reader: ToolCallReader) -> str:
+    """The open item's status at the end: a message the limit cut, or a call it cut inside
+    its arguments, is ``incomplete``; a call it ended after (before the next began) is
+    ``completed``, though the response is ``incomplete`` (docs/protocols/tools.md)."""
+    if items.open is not None and items.open["type"] == "function_call" and not reader.inside_call:
+        return "completed"
+    return _status(final)
+
+
 class _Items:
     """Output items as pieces arrive: a message item for text, a function_call item per call;
     one open at a time. Whole responses use the items; streams also the events."""
@@ -133,7 +142,7 @@ async def response_object(events: AsyncIterator[Event], meta: ResponseMeta) -> d
         elif isinstance(event, FinalEvent):
             for piece in reader.read(event.text, final=True):
                 items.add(piece)
-            items.close(_status(event))
+            items.close(_last_item_status(event, items, reader))
             return _shell(meta, _status(event), items.done, event, tokens)
     raise AssertionError("the stream contract: a FinalEvent ends every choice")
 
@@ -156,7 +165,7 @@ async def response_events(events: AsyncIterator[Event],
                     yield item
         if isinstance(event, FinalEvent):
             status = _status(event)
-            for item in items.close(status):
+            for item in items.close(_last_item_status(event, items, reader)):
                 yield item
             kind = "response.completed" if status == "completed" else "response.incomplete"
             yield items.event(kind, response=_shell(meta, status, items.done, event, tokens))

@@ -67,6 +67,23 @@ def test_a_tool_round_trip_with_the_sdk(client):
     assert second.stop_reason in ("end_turn", "max_tokens")
 
 
+def test_a_named_tool_is_exactly_one_tool_use_whole_and_streamed(client):
+    """``tool_choice: tool`` with parallel tool use left on and a small ``max_tokens``: one
+    ``tool_use`` block that validates, ``stop_reason: tool_use``; the SDK's stream accumulation
+    gives the same block."""
+    kwargs = dict(model=MODEL, max_tokens=60, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather"})
+    whole = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        [use] = message.content
+        assert use.type == "tool_use" and use.name == "get_weather", message
+        assert message.stop_reason == "tool_use"
+        jsonschema.validate(use.input, SCHEMA)
+    assert streamed.content[0].input == whole.content[0].input
+
+
 def test_structured_output_is_json_that_follows_the_schema(client):
     """``output_config.format`` (Anthropic's structured outputs): the answer's text block is
     JSON that the schema accepts, whole and streamed alike."""

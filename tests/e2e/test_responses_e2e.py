@@ -42,6 +42,22 @@ def test_text_equals_vllms_own_greedy_answer_and_streams_to_it(openai_client):
         whole.output_text
 
 
+def test_a_named_function_is_exactly_one_call_whole_and_streamed(openai_client):
+    """``parallel_tool_calls`` at its default (on), a small token limit: one call that validates,
+    and the stream's ``response.completed`` carries the same."""
+    kwargs = dict(model=MODEL, input=QUESTION, tools=[WEATHER], max_output_tokens=60,
+                  temperature=0, tool_choice={"type": "function", "name": "get_weather"})
+    whole = openai_client.responses.create(**kwargs)
+    with openai_client.responses.stream(**kwargs) as stream:
+        streamed = stream.get_final_response()
+    for out in (whole, streamed):
+        [call] = out.output
+        assert call.type == "function_call" and call.name == "get_weather", out
+        assert out.status == call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    assert streamed.output[0].arguments == whole.output[0].arguments
+
+
 def test_a_function_call_round_trip_and_the_stream_accumulates_to_the_whole_call(openai_client):
     kwargs = dict(model=MODEL, input=QUESTION, tools=[WEATHER], tool_choice="required",
                   parallel_tool_calls=False, max_output_tokens=80, temperature=0)

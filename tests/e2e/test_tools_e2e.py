@@ -101,6 +101,25 @@ def test_a_named_choice_always_calls_that_function(openai_client):
         _valid(calls[0])
 
 
+@pytest.mark.parametrize("question", QUESTIONS[:3])
+def test_a_named_choice_with_parallel_calls_on_is_exactly_one_call(openai_client, question):
+    """``parallel_tool_calls`` left at its default (on) and a small ``max_tokens``: one call
+    that validates, not calls until the limit cuts the last; streamed, the SDK accumulates the
+    same call."""
+    kwargs = dict(model=MODEL, messages=_ask(question), tools=TOOLS, max_tokens=60,
+                  temperature=0, tool_choice={"type": "function",
+                                              "function": {"name": "get_weather"}})
+    whole = openai_client.chat.completions.create(**kwargs)
+    with openai_client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion()
+    for out in (whole, streamed):
+        [call] = out.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and out.choices[0].finish_reason == "stop"
+        _valid(call)
+    assert streamed.choices[0].message.tool_calls[0].function.arguments == \
+        whole.choices[0].message.tool_calls[0].function.arguments
+
+
 def test_a_streamed_call_accumulates_to_exactly_the_whole_one(openai_client):
     kwargs = dict(model=MODEL, messages=_ask(QUESTIONS[1]), tools=TOOLS, tool_choice="required",
                   parallel_tool_calls=False, max_tokens=200, temperature=0)

@@ -119,9 +119,21 @@ def test_a_named_choice_calls_only_that_function(tok):
                             parallel=True)
     text, ended = _run(tok, spec, _script(tok, CALL))
     _, calls = _calls(text, True)
-    assert ended and calls and {name for name, _ in calls} == {"get_time"}
-    for _, args in calls:
-        jsonschema.validate(json.loads(args), json.loads(TIME.parameters))
+    assert ended and len(calls) == 1 and calls[0][0] == "get_time"
+    jsonschema.validate(json.loads(calls[0][1]), json.loads(TIME.parameters))
+
+
+def test_a_named_choice_is_one_call_even_with_parallel_calls_on(tok):
+    """A model that would go on calling (as small ones do until ``max_tokens``) is stopped
+    after the one call a named choice forces; ``required`` with parallel calls lets it go on."""
+    twice = f"{CALL}\n{CALL}"
+    named = ToolChoice(mode="function", name="get_weather")
+    text, ended = _run(tok, tools_controller((WEATHER, TIME), named, parallel=True),
+                       _script(tok, twice))
+    assert ended and text == CALL
+    text, ended = _run(tok, tools_controller((WEATHER, TIME), ToolChoice(mode="required"),
+                                             parallel=True), _script(tok, twice))
+    assert ended and text.startswith(twice)
 
 
 def test_auto_admits_plain_text_and_calls(tok):
