@@ -21,16 +21,19 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import yaml
 
 from gateway.serve_env import free_port
+from tests.readme_cluster import on_this_machine, readme_cluster_commands
 
 A, B = "tiny-a", "tiny-b"
 APP_A, APP_B = "model-tiny-a", "model-tiny-b"
 PROMPT = "The capital of France is"
 TOKENS = 8
+README = readme_cluster_commands()  # deployed and checked with the README's own commands
 
 
 
@@ -58,13 +61,26 @@ def _serve_config(http_port: int, a_dir: Path, b_dir: Path, with_b: bool) -> dic
             "applications": apps}
 
 
+def _on_head(command: str, dashboard: str, serve_config: Path | None = None) -> str:
+    """One of the README's commands for the head node (``tests.readme_cluster``), run here
+    against this cluster's dashboard with this interpreter's environment; its output."""
+    env = {**os.environ, "RAY_DASHBOARD_ADDRESS": dashboard, "PYTHON": sys.executable}
+    done = subprocess.run(on_this_machine(command, serve_config), capture_output=True,
+                          text=True, timeout=120, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{command!r} failed: {done.stderr[-3000:]}")
+    return done.stdout
+
+
 def _deploy(config: dict, path: Path, dashboard: str) -> None:
     path.write_text(yaml.safe_dump(config))
-    serve_cli = str(Path(sys.executable).parent / "serve")
-    done = subprocess.run([serve_cli, "deploy", str(path), "--address", dashboard],
-                          capture_output=True, text=True, timeout=120)
-    if done.returncode:
-        raise RuntimeError(f"serve deploy failed: {done.stderr[-3000:]}")
+    _on_head(README.deploy, dashboard, path)
+
+
+def _readme_status(dashboard: str) -> dict[str, str]:
+    """Each application's status as the README's status command prints it."""
+    apps = yaml.safe_load(_on_head(README.status, dashboard))["applications"]
+    return {name: app["status"] for name, app in apps.items()}
 
 
 def _wait(condition, what: str, timeout_s: float = 300) -> None:
@@ -103,7 +119,8 @@ def _asks(url: str) -> dict:
     one configured model), and each protocol's model listing."""
     out: dict = {}
     with httpx.Client(base_url=url, timeout=60) as c:
-        out["openai_models"] = sorted(m["id"] for m in c.get("/v1/models").json()["data"])
+        listing = urlsplit(README.check.split()[-1]).path  # the README's curl
+        out["openai_models"] = sorted(m["id"] for m in c.get(listing).json()["data"])
         out["lmi_models"] = sorted(m["modelName"] for m in c.get("/models").json()["models"])
         for model in (A, B):
             got: dict = {}
@@ -215,6 +232,7 @@ def main() -> None:
         _wait(lambda: httpx.get(f"{url}/health").status_code == 200
               and _replicas(APP_B) == 2, "both models up", timeout_s=600)
         result["deploy_s"] = round(time.monotonic() - started, 1)
+        result["readme_status"] = _readme_status(dashboard)
         result["asks"] = _asks(url)
 
         # Where things run: replica and stage actors by node.

@@ -2,7 +2,8 @@
 out (each model its own Serve application, the gateway naming them) with the `serve deploy`
 CLI: every protocol lists both models and routes by name, replicas land on the nodes their
 resources name, the autoscaled model goes up under a burst and back down after it, and a
-redeploy that removes one model costs the other no failed request and no restart.
+redeploy that removes one model costs the other no failed request and no restart. The deploys,
+the status and the listing are the README's own commands (``tests.readme_cluster``).
 
 The cluster runs in a subprocess (``tests.e2e.cluster_models``) so it never meets the test
 session's Ray instance; the replica counts it saw are printed into the test log."""
@@ -30,8 +31,11 @@ def cluster_run() -> dict:
 
 
 def test_two_nodes_and_both_models_listed_by_every_protocol(cluster_run):
+    """Deployed, checked and listed with the README's own commands ("On a Ray cluster")."""
     asks = cluster_run["asks"]
     assert cluster_run["nodes"] == 2
+    assert cluster_run["readme_status"] == {"model-tiny-a": "RUNNING",
+                                            "model-tiny-b": "RUNNING", "gateway": "RUNNING"}
     assert asks["openai_models"] == asks["lmi_models"] == sorted([A, B])
     assert asks[A]["mindie_listing"] == asks[B]["mindie_listing"] == 200
 
