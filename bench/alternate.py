@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cputime
 from bench.load import CLIENT_PRIORITIES, client_priority, run_load
+from bench.pooled import pool
 from bench.servers import (
     PORTS,
     RESULTS,
@@ -278,8 +279,9 @@ def paired(rows: list[dict], visit: int = 1) -> Paired | None:
                 ratios.append(by[names[1]] / by[names[0]])
     if len(ratios) < 2:
         return None
-    return Paired(first=names[0], second=names[1], mean=statistics.fmean(ratios),
-                  error=statistics.stdev(ratios) / len(ratios) ** 0.5, pairs=len(ratios))
+    pooled = pool(ratios)
+    return Paired(first=names[0], second=names[1], mean=pooled.mean, error=pooled.error,
+                  pairs=len(ratios))
 
 
 def summarize(rows: list[dict], args) -> str:

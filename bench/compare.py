@@ -48,10 +48,10 @@ from bench.servers import (
     STARTERS,
     machine,
     models,
+    serve_ready,
     start_hog,
     stop,
     stop_tree,
-    wait_ready,
 )
 
 
@@ -64,7 +64,7 @@ def measure(args) -> list[dict]:
                 started = time.monotonic()
                 proc = STARTERS[target](model, model_dir, overrides)
                 try:
-                    wait_ready(f"http://127.0.0.1:{PORTS[target]}", model, proc)
+                    placed = serve_ready(target, model, proc)
                     ready_s = round(time.monotonic() - started, 1)  # start to serving
                     # What the server burns with no request at all (Ray's background, pollers):
                     # part of every per-token figure below, largest at c=1.
@@ -75,7 +75,7 @@ def measure(args) -> list[dict]:
                     idle = {f"idle_{k}": round(v / args.idle_s, 3) for k, v in idle.items()}
                     for conc in args.concurrency:
                         row = {"model": model, "target": target, "round": rnd,
-                               "ready_s": ready_s, **idle,
+                               "ready_s": ready_s, "peer_placement": placed, **idle,
                                **_load_row(args, proc.pid, PORTS[target], model, model_dir, conc)}
                         rows.append(row)
                         print(json.dumps({k: row[k] for k in (
@@ -98,12 +98,14 @@ def _load_row(args, pid: int, port: int, model: str, model_dir, conc: int) -> di
     before, box_before, started = cputime.snapshot(pid), cputime.box(), time.monotonic()
     result = run_load(port, model, model_dir, conc, prompts, args.backend, args.client)
     after, box_after = cputime.snapshot(pid), cputime.box()
+    engines = cputime.require_engines(pid)  # a round it cannot split is refused, not counted
     cpu = cputime.spent(before, after)
     box = cputime.box_spent(box_before, box_after, cpu["engine_cpu_s"] + cpu["other_cpu_s"],
                             time.monotonic() - started)
     roles = cputime.labels(pid, apart=(SECOND_APP,))  # gateway-two-apps' idle model apart
     cpu["cpu_s_by_process"] = cputime.spent_by_role(before, after, roles)
     return {"concurrency": conc, "prompts": prompts, "client": args.client, "pace": pace,
+            "engine_processes": engines,
             **box, **cpu, **{k: v for k, v in result.items() if isinstance(v, (int, float))}}
 
 

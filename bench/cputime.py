@@ -41,6 +41,33 @@ def _is_engine(proc: psutil.Process) -> bool:
     return _engine_title(proc) is not None
 
 
+class UnidentifiedEngine(RuntimeError):
+    """The tree's vLLM processes cannot all be told apart by their titles: its CPU split would
+    count an untitled engine process as serving stack (a round seen so), so it is refused."""
+
+
+def require_engines(root_pid: int) -> dict[str, int]:
+    """The tree's engine processes by title, checked: every vLLM engine is one
+    ``VLLM::EngineCore`` and one ``VLLM::Worker`` (on CPU, one worker a core group), so the two
+    counts match and are not zero; else :class:`UnidentifiedEngine`."""
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    counts = dict.fromkeys(ENGINE_TITLES, 0)
+    for proc in procs:
+        title = _engine_title(proc)
+        if title is not None:
+            counts[title] += 1
+    cores, workers = counts["VLLM::EngineCore"], counts["VLLM::Worker"]
+    if not cores or cores != workers:
+        raise UnidentifiedEngine(f"{cores} VLLM::EngineCore and {workers} VLLM::Worker titles "
+                                 "under the server: an engine process without its title would "
+                                 "count as serving stack; the round is refused")
+    return counts
+
+
 def snapshot(root_pid: int) -> dict[int, tuple[bool, float]]:
     """``{pid: (is_engine, user+system CPU seconds)}`` for the tree under ``root_pid``."""
     try:

@@ -128,12 +128,13 @@ def serve_gateway(model: str, model_dir: str, overrides: dict,
 
 def serve_model_apps(model: str, model_dir: str, overrides: dict, count: int = 1,
                       ingress: str | None = None, root: Path = ROOT,
-                      env: dict | None = None) -> subprocess.Popen:
+                      env: dict | None = None, options: dict | None = None) -> subprocess.Popen:
     """``serve_config.yaml``'s layout (the README's default): each model its own Serve
     application (``build_model_app`` at ``/model/<name>``), the gateway application naming
     them. ``count`` 2 adds a second copy of the model that idles
-    (``serve_config.cluster.yaml``'s two models): what serving several costs the one in use."""
-    models = [{"name": name, "source": model_dir, "engine_args": overrides}
+    (``serve_config.cluster.yaml``'s two models): what serving several costs the one in use.
+    ``options``: more of the model entry (``num_replicas``, ``routing``, ...)."""
+    models = [{"name": name, "source": model_dir, "engine_args": overrides, **(options or {})}
               for name in (model, f"{model}-second")[:count]]
     names = ("model-0", SECOND_APP)
     apps = [{"name": names[i], "route_prefix": model_route(entry["name"]),
@@ -208,11 +209,53 @@ def serve_before(model: str, model_dir: str, overrides: dict) -> subprocess.Pope
     return serve_model_apps(model, model_dir, overrides, root=Path(tree))
 
 
-def serve_llm(model: str, model_dir: str, overrides: dict) -> subprocess.Popen:
+def serve_llm(model: str, model_dir: str, overrides: dict, replicas: int = 1,
+              router: str | None = None, direct: bool = True) -> subprocess.Popen:
+    """Ray Serve LLM as its users run it now (``direct``): direct streaming behind Serve's own
+    HAProxy (its binary, its buffer size), ``router`` "prefix" for its prefix-aware router;
+    ``direct`` False: its path before Ray 2.56 (an OpenAI ingress deployment in front of the
+    LLM servers). ``place_peer`` gives it the gateway's CPU placement once it is up."""
+    from gateway.haproxy_errors import real_binary
+
     app = {"name": "llm", "route_prefix": "/", "import_path": "bench.serve_llm_app:build",
-           "args": {"model_id": model, "model_dir": model_dir, "engine_args": overrides}}
-    return serve_run(PORTS["serve-llm"], [app],
-                      _ray_env(RAY_OVERRIDE_RESOURCES=json.dumps({"CPU": 8})))
+           "args": {"model_id": model, "model_dir": model_dir, "engine_args": overrides,
+                    "num_replicas": replicas, "router": router}}
+    env = _ray_env(RAY_OVERRIDE_RESOURCES=json.dumps({"CPU": 8}))
+    env["RAY_SERVE_HAPROXY_BINARY_PATH"] = real_binary()
+    env.pop("RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE", None)
+    if direct:
+        env["RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"] = "1"
+    return serve_run(PORTS["serve-llm"], [app], env)
+
+
+_PLACE = """
+import json, ray
+ray.init(address="auto", log_to_driver=False)
+from engines.placement import place
+print(json.dumps(ray.get(ray.remote(num_cpus=0)(place).remote())))
+"""
+
+
+def place_peer(target: str) -> dict | None:
+    """The gateway's CPU placement (``engines.placement.place``: every serving process of the
+    node off the cores vLLM's workers pinned) applied once to a peer that is up, from a task in
+    its Ray instance; what it did. The gateway's own replicas place the node themselves."""
+    if not target.startswith("serve-llm"):
+        return None
+    done = subprocess.run([sys.executable, "-c", _PLACE], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        print(f"placement of {target} failed: {done.stderr[-800:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
+
+
+def serve_ready(target: str, model: str, proc: subprocess.Popen) -> dict | None:
+    """Wait until ``target`` serves ``model``; then place a peer as the gateway places itself.
+    Returns what the placement did (None for the gateway, which places itself)."""
+    wait_ready(f"http://127.0.0.1:{PORTS[target]}", model, proc)
+    return place_peer(target)
 
 
 # Ray Serve settings tried on the gateway behind Serve's proxy (the env of the Ray instance
@@ -240,7 +283,10 @@ def _eager(start: Callable[..., subprocess.Popen]) -> Callable[..., subprocess.P
 
 _SERVE_PROXY = functools.partial(serve_gateway, ingress="serve")
 _HAPROXY = functools.partial(serve_gateway, ingress="haproxy")
-STARTERS = {"bare": serve_bare, "serve-llm": serve_llm,
+STARTERS = {"bare": serve_bare,
+            # Ray Serve LLM: direct streaming behind HAProxy (its users' path since 2.56), and
+            # its path before (an OpenAI ingress deployment in front of the LLM servers).
+            "serve-llm": serve_llm, "serve-llm-classic": functools.partial(serve_llm, direct=False),
             # The README's default: each model its own application, HAProxy on the port
             # sending requests that name it there.
             "gateway": serve_model_apps,
@@ -277,6 +323,7 @@ STARTERS = {"bare": serve_bare, "serve-llm": serve_llm,
             "gateway-colocated-haproxy": functools.partial(_HAPROXY, colocated=True),
             **{name: functools.partial(_SERVE_PROXY, env=env) for name, env in VARIANTS.items()}}
 PORTS.update({name: PORTS["gateway"] for name in STARTERS if name.startswith("gateway")})
+PORTS.update({name: PORTS["serve-llm"] for name in STARTERS if name.startswith("serve-llm")})
 
 
 def start_hog() -> subprocess.Popen:
@@ -286,21 +333,22 @@ def start_hog() -> subprocess.Popen:
                              "while True:\n    pass"], start_new_session=True)
 
 
-def build_tiny(target: Path, tokenizer_dir: Path) -> Path:
+def build_tiny(target: Path, tokenizer_dir: Path, max_positions: int = 512) -> Path:
     """A random-weight Llama the engine runs almost for free: 4 layers, hidden 256, head_dim 64
     (vLLM's CPU attention has no kernels for smaller heads), SmolLM2's vocabulary and tokenizer
-    so prompts and outputs look like the embedded model's."""
+    so prompts and outputs look like the embedded model's; ``max_positions`` long prompts at
+    most (the routing bench's conversations need more than 512)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
                          tie_word_embeddings=True)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "generation_config.json"):
+                 "generation_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, target / name)
     return target

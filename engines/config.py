@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
 from engines.kinds import check_engine_args, kind_of
 
-__all__ = ["Autoscaling", "Controllers", "ModelConfig"]
+__all__ = ["Autoscaling", "Controllers", "ModelConfig", "Routing"]
 
 
 class Controllers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +69,24 @@ class Autoscaling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
 
+class Routing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a request picks one of the model's replicas when it has more than one
+    (docs/routing.md). ``prefix``: the replica most likely to hold the prompt's prefix in its KV
+    cache (the one sent the longest part of it), unless that replica holds more than
+    ``max_imbalance`` requests beyond the least-loaded one: then, and for a prompt no replica
+    was sent, the least loaded. ``load``: Serve's own (power of two choices), blind to
+    prefixes. ``memory_blocks``: prefix keys each router remembers (one per 128 characters of
+    prompt; 65,536 cover 8M characters)."""
+
+    policy: Literal["prefix", "load"] = "prefix"
+    max_imbalance: int = 4
+    memory_blocks: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.max_imbalance < 0 or self.memory_blocks < 1:
+            raise ValueError("routing: max_imbalance must be >= 0 and memory_blocks >= 1")
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One model the gateway serves.
 
@@ -93,6 +111,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     Serve LLM calls direct streaming); the ingress's replica count is then the model's, and
     ``num_cpus`` / ``num_gpus`` / ``resources`` are added to the ingress's own. At most one
     model per gateway, not with ``app``, ``num_replicas`` or ``autoscaling``.
+    ``routing``: how requests pick a replica when there are several (``Routing``).
     """
 
     name: str = EMBEDDED_MODEL_NAME
@@ -118,6 +137,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # the hook costs nothing on steps without a controlled request. ``null`` turns the runtime
     # and the hook off; set on a kind that runs none, the config is refused.
     controllers: Controllers | msgspec.UnsetType | None = msgspec.UNSET
+    routing: Routing = Routing()
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -166,6 +186,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     def max_replicas(self) -> int:
         return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    def routes_by_prefix(self) -> bool:
+        """Whether requests pick among several replicas by prefix (``Routing``)."""
+        return self.routing.policy == "prefix" and self.max_replicas() > 1
 
     def replica_options(self) -> dict[str, Any]:
         """Serve's replica count options: a fixed count or the autoscaling config."""

@@ -19,6 +19,7 @@ from engines.base import ReferenceOutput
 from engines.callers import Caller, CallerWatch
 from engines.channel import ChannelAddress, ChannelSender
 from engines.config import ModelConfig
+from engines.prefix_affinity import RecentPrompts
 from protocols.internal import (
     EngineStats,
     Event,
@@ -70,11 +71,27 @@ class EngineReplica:
             self.host = EngineHost(create_engine(config))
         self.callers = CallerWatch()
         self.channels = ChannelSender()
+        # What this replica was sent, for the routers of a model routed by prefix (the
+        # prompt's hashing costs nothing elsewhere).
+        self.recent_prompts = RecentPrompts() if config.routes_by_prefix() else None
+
+    def note_request(self, request: GenerateRequest) -> None:
+        """A generation starts here: recorded for prefix routing (docs/routing.md)."""
+        if self.recent_prompts is not None:
+            self.recent_prompts.note(request.prompt)
+
+    def record_routing_stats(self) -> dict[str, list[int]]:
+        """Serve's controller collects this for the model's routers (``engines.prefix_router``)."""
+        from engines.routing import ROUTING_STATS_KEY
+
+        keys = self.recent_prompts.keys() if self.recent_prompts is not None else []
+        return {ROUTING_STATS_KEY: keys}
 
     async def generate(self, request: GenerateRequest,
                        caller: Caller | None = None) -> AsyncIterator[bytes]:
         """``caller``: the calling ingress replica's actor, whose death aborts the request
         (``engines.callers``)."""
+        self.note_request(request)
         watch = None if caller is None else (lambda task: self.callers.track(caller, task))
         async for batch in drain_batches(self.host.generate(request), watch):
             yield encode_events(batch)
@@ -84,6 +101,7 @@ class EngineReplica:
         """Stream the generation's events over the ingress's channel (``engines.channel``)
         rather than as this call's results; returns when the stream is over, with the number
         of events sent."""
+        self.note_request(request)
         if caller is not None:
             self.callers.track(caller, asyncio.current_task())
         return await self.channels.stream(channel, self.host.generate(request))

@@ -90,6 +90,18 @@ class EngineMetrics:
                                              "Tokens vLLM generated.")
         self.vllm_finished = series("Counter", "vllm_requests_finished",
                                     "Requests vLLM finished.")
+        self.vllm_prefix_cache_queries = series(
+            "Counter", "vllm_prefix_cache_queries",
+            "Prompt tokens vLLM looked up in its prefix cache.")
+        self.vllm_prefix_cache_hits = series(
+            "Counter", "vllm_prefix_cache_hits",
+            "Prompt tokens vLLM found in its prefix cache (hits / queries: its hit rate).")
+        # Counted where a replica is picked: the gateway's ingress replicas and each model's
+        # ingress request router (engines/prefix_router.py, docs/routing.md).
+        self.routing_picks = series(
+            "Counter", "routing_picks", "Replicas picked by prefix-aware routing, by reason "
+            "(prefix: it holds the prompt's longest known prefix; load: the least loaded).",
+            ("model", "reason"))
         # Counted in the controller runtime's process, handed over by its replica
         # (engines/controllers/service.py): a histogram of tallies, not of observations.
         self.controller_step = CountedHistogram(

@@ -247,6 +247,7 @@ def _channel_receiver():
 
 def _engine_app(model: ModelConfig) -> serve.Application:
     from engines.deployment import EngineDeployment
+    from engines.routing import routing_options
 
     return EngineDeployment.options(
         name=engine_deployment(model.name),
@@ -259,6 +260,7 @@ def _engine_app(model: ModelConfig) -> serve.Application:
         health_check_period_s=model.health_check_period_s,
         ray_actor_options=model.actor_options(),
         **model.replica_options(),
+        **routing_options(model),
     ).bind(model)
 
 
@@ -292,12 +294,13 @@ def build_engine_app(args: dict[str, Any] | ModelConfig) -> serve.Application:
     Serve application (args: that model's entry, a :class:`ModelConfig` mapping). Serve
     restarts an application's replicas whenever its args change; a model in its own
     application keeps its replicas when the gateway's config (the model list) changes."""
-    if isinstance(args, ModelConfig):
-        return _engine_app(args)
+    from gateway.ingress_router import with_ingress_router
+
     try:
-        return _engine_app(msgspec.convert(args or {}, ModelConfig))
+        model = args if isinstance(args, ModelConfig) else msgspec.convert(args or {}, ModelConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid model config: {exc}") from None
+    return with_ingress_router(_engine_app(model), model)
 
 
 def build_model_app(args: dict[str, Any]) -> serve.Application:

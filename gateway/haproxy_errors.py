@@ -146,6 +146,9 @@ def _error_rules(tables: str) -> list[str]:
     return rules
 
 
+_VIA_ROUTER = "-via-ingress-request-router"
+
+
 def _bound_rules(backends: dict[str, int], tables: str) -> list[str]:
     """Generations (POSTs) beyond what an application's ingress replicas admit get a 503 from
     HAProxy at once, as Serve's proxy's gate gives them (``gateway/proxy.py``): under a burst
@@ -154,9 +157,16 @@ def _bound_rules(backends: dict[str, int], tables: str) -> list[str]:
     per_replica = max_requests_from_env()
     body = _mapped(tables, AT_CAPACITY)
     return [f'http-request return status 503 content-type application/json lf-string "{body}" '
-            f'hdr {OWN_MARK} 503 hdr Retry-After 1 if METH_POST is_{name} '
+            f'hdr {OWN_MARK} 503 hdr Retry-After 1 if METH_POST is_{_app_backend(name)} '
             f'{{ be_conn({name}) ge {per_replica * max(replicas, 1)} }}'
             for name, replicas in backends.items()]
+
+
+def _app_backend(name: str) -> str:
+    """The application backend whose path ACL (``is_<name>``) a backend's requests match: its
+    own, or for the backend Serve adds to an application with an ingress request router
+    (``gateway.ingress_router``), its application's. The ingress replicas are the same."""
+    return name.removesuffix(_VIA_ROUTER)
 
 
 def _request_id_rules() -> list[str]:
@@ -200,6 +210,12 @@ def _response_rules(tables: str, shapes: ErrorShapes) -> list[str]:
 # connection before answering, which is what a replica that died leaves behind: kept-alive
 # connections to replicas turned "the replica died, retry" into a dropped connection.
 _ONE_REQUEST_PER_CONNECTION = "option http-server-close"
+# A request an ingress request router pinned to a replica (gateway/ingress_router.py) may reach
+# one that died a moment before: for a second or so after its actor is dead its port still
+# accepts, then resets (HAProxy's "SH", measured), before health checks mark it down. Nothing
+# was received from it, so HAProxy sends the request again, to another replica (Serve's
+# `option redispatch 1`); elsewhere Serve's own policy (connect failures only) stays.
+_ROUTED_RETRIES = "retry-on conn-failure empty-response"
 # Serve's template splices request bodies in the kernel; then HAProxy often (3 of 6 times,
 # measured) misses a client that left and keeps the replica's connection open, and the
 # generation runs to its end for nobody. Our request bodies are small: no splicing.
@@ -239,6 +255,9 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
     replicas = {head[1]: sum(1 for line in section if _REPLICA.match(line))
                 for head, section in zip(heads, sections, strict=True)
                 if head[:1] == ["backend"] and head[1] != "default_backend"}
+    for name in replicas:  # a router's backend names its servers with use-server lines
+        if name.endswith(_VIA_ROUTER):
+            replicas[name] = replicas.get(_app_backend(name), 0)
     indent = "    "
     out: list[str] = []
     for head, section in zip(heads, sections, strict=True):
@@ -258,6 +277,8 @@ def shape_config(text: str, tables: str, shapes: ErrorShapes, fallback_port: int
             cut = routing[0] if routing else len(section)  # the bounds use Serve's path ACLs
             section = [*section[:at], *(indent + r for r in added), *section[at:cut],
                        *(indent + r for r in _bound_rules(replicas, tables)), *section[cut:]]
+        elif head[:1] == ["backend"] and head[1].endswith(_VIA_ROUTER):
+            section = [section[0], indent + _ROUTED_RETRIES, *section[1:]]
         elif head == ["backend", "default_backend"]:
             section = [indent + _TO_SERVES_PROXY.format(port=fallback_port)
                        if _NOT_FOUND.match(line) else line for line in section]

@@ -13,12 +13,16 @@ from starlette.exceptions import HTTPException
 
 from gateway.telemetry import refused_for
 
-__all__ = ["CAPACITY_HEADER", "Admission", "BodySizeLimit", "CapacityHeader", "route_path"]
+__all__ = ["CAPACITY_HEADER", "REPLICA_HEADER", "Admission", "BodySizeLimit", "CapacityHeader",
+           "ResponseHeader", "route_path"]
 
 # The generations one ingress replica sends its models at most, on each of its answers: Serve's
 # proxy refuses the excess of a burst before any Ray call (gateway.proxy.ProxyGate), and takes
 # the header off before the client sees it.
 CAPACITY_HEADER = b"x-gateway-capacity"
+# On every answer of a model's own replica (HAProxy sends a request naming the model there):
+# which one served it, as Serve names its replicas; what prefix routing and its tests read.
+REPLICA_HEADER = b"x-llm-gateway-replica"
 
 # A refused body is still read, and dropped, before its 413 is sent, within these bounds. A
 # client still uploading when the answer goes out has unread bytes in the server's socket; when
@@ -145,12 +149,12 @@ class Admission:
         return wrapped
 
 
-class CapacityHeader:
-    """Pure ASGI middleware: :data:`CAPACITY_HEADER` on every HTTP answer."""
+class ResponseHeader:
+    """Pure ASGI middleware: one header on every HTTP answer."""
 
-    def __init__(self, app, capacity: int):
+    def __init__(self, app, name: bytes, value: str):
         self.app = app
-        self.header = (CAPACITY_HEADER, str(capacity).encode())
+        self.header = (name, value.encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -162,3 +166,10 @@ class CapacityHeader:
             await send(message)
 
         await self.app(scope, receive, with_header)
+
+
+class CapacityHeader(ResponseHeader):
+    """:data:`CAPACITY_HEADER` on every HTTP answer: the generations this replica admits."""
+
+    def __init__(self, app, capacity: int):
+        super().__init__(app, CAPACITY_HEADER, str(capacity))

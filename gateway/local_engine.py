@@ -8,7 +8,7 @@ bound on generations in flight (beyond it: refused as overloaded at once).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from contextvars import ContextVar
 
@@ -68,12 +68,14 @@ class LocalEngineClient:
     """:class:`protocols.internal.EngineClient` over an :class:`EngineHost` in this process."""
 
     def __init__(self, host: EngineHost, model: str, *, request_timeout_s: float | None = None,
-                 max_pending: int | None = None):
+                 max_pending: int | None = None,
+                 on_request: Callable[[GenerateRequest], None] | None = None):
         self.host = host
         self.model = model
         self.request_timeout_s = request_timeout_s
         self.max_pending = max_pending
         self.pending = 0
+        self.on_request = on_request  # told of each generation admitted (prefix routing's record)
 
     @classmethod
     def start(cls, config: ModelConfig, **options) -> LocalEngineClient:
@@ -92,6 +94,8 @@ class LocalEngineClient:
             yield overloaded(self.model)
             return
         request = with_default_deadline(request, self.request_timeout_s)
+        if self.on_request is not None:
+            self.on_request(request)
         self.pending += 1
         try:
             # Closing this generator (client gone) closes the host's, which aborts the request.

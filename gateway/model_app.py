@@ -24,7 +24,10 @@ from ray import serve
 
 from engines.config import ModelConfig
 from engines.deployment import EngineReplica
+from engines.routing import routing_options
 from gateway.config import GatewayConfig, load_config
+from gateway.ingress_router import with_ingress_router
+from gateway.limits import REPLICA_HEADER, ResponseHeader
 from gateway.local_engine import LocalEngineClient
 from gateway.model_routes import engine_deployment
 from gateway.registry import ModelRegistry
@@ -72,7 +75,7 @@ class ModelIngress(EngineReplica):
         pending = None if model.queue_limit() < 0 else model.ongoing_limit() + model.queue_limit()
         client = LocalEngineClient(self.host, model.name,
                                    request_timeout_s=config.request_timeout_s,
-                                   max_pending=pending)
+                                   max_pending=pending, on_request=self.note_request)
         self._registry = ModelRegistry({model.name: client}, config.aliases,
                                        expose_paths=config.expose_model_paths)
         self._config = config
@@ -80,13 +83,17 @@ class ModelIngress(EngineReplica):
     def __serve_build_asgi_app__(self) -> FastAPI:
         from gateway.app import serve_asgi_app
 
-        return serve_asgi_app(self._registry, self._config, capacity=None)
+        app = serve_asgi_app(self._registry, self._config, capacity=None)
+        app.add_middleware(ResponseHeader, name=REPLICA_HEADER,
+                           value=serve.get_replica_context().replica_id.unique_id)
+        return app
 
 
 def model_deployment(model: ModelConfig, config: GatewayConfig) -> serve.Application:
     """The model's application: :class:`ModelIngress` replicas under the engine deployment's
-    name (the gateway application's handle finds them by it)."""
-    return ModelIngress.options(
+    name (the gateway application's handle finds them by it), routed by prefix where it has
+    several (docs/routing.md)."""
+    app = ModelIngress.options(
         name=engine_deployment(model.name),
         # Serve refuses beyond these in plain text (direct ingress): set above the bounds that
         # refuse in the protocol's shape (the HTTP admission, the engine's pending bound).
@@ -95,4 +102,6 @@ def model_deployment(model: ModelConfig, config: GatewayConfig) -> serve.Applica
         max_surge_percent=100,
         ray_actor_options=model.actor_options(),
         **model.replica_options(),
+        **routing_options(model),
     ).bind(model, config)
+    return with_ingress_router(app, model)

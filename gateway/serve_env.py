@@ -77,6 +77,13 @@ HAPROXY_ENV: dict[str, str] = {
     # interrupted again, and every redeploy and scale-down waited as long; at 2 s it took 9 s
     # (docs/reliability.md).
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    # A model routed by prefix has an ingress request router (gateway.ingress_router), which
+    # HAProxy sends each request's body to before choosing the replica. Serve's default buffer
+    # for that body is 8 MiB a stream; 64 KiB holds the first 32K characters of a prompt, all
+    # that routing reads (engines.prefix_affinity.MAX_BLOCKS), and a cut body is read as far as
+    # it goes. It also lets HAProxy read a later `model` field (docs/cluster.md).
+    "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+    "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(64 * 1024),
     # Counted where the node's Ray starts (this process): each node of a cluster its own.
     **_haproxy_threads(len(os.sched_getaffinity(0))),
 }

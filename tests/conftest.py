@@ -2,7 +2,15 @@
 
 import pytest
 
-from tests.serve_session import (
+from gateway import serve_env
+
+# The environment Ray starts with for the gateway (HAProxy on, ...), applied before anything
+# imports Ray Serve: the tests build their Serve applications in this process (serve.run), and
+# Serve's builder reads that environment when it is first imported (an ingress request router,
+# docs/routing.md, needs HAProxy on in the builder too).
+serve_env.apply()
+
+from tests.serve_session import (  # noqa: E402
     colocated_url,
     engine_handle,
     gateway_url,

@@ -20,6 +20,10 @@ def _config(kind: str):
                   eos_token_id=2, pad_token_id=2)
     if kind == "llama":
         return LlamaConfig(num_hidden_layers=6, tie_word_embeddings=False, **common)
+    if kind == "llama-wide":  # head_dim 64: what vLLM's CPU attention needs (it refuses 16)
+        return LlamaConfig(**{**common, "hidden_size": 256, "intermediate_size": 512,
+                              "max_position_embeddings": 2048},
+                           num_hidden_layers=2, tie_word_embeddings=True)
     if kind == "llama-tied":
         return LlamaConfig(num_hidden_layers=5, tie_word_embeddings=True, **common)
     if kind == "qwen3-sliding":

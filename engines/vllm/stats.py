@@ -29,6 +29,7 @@ class SampledStats(StatLoggerBase):
         names = vllm_config.model_config.served_model_name
         self.tags = {"model": names if isinstance(names, str) else names[0]}
         self.prompt = self.generated = self.finished = 0
+        self.cache_queries = self.cache_hits = 0  # prompt tokens, vLLM's own per-step counts
         self.scheduler: Any = None
         self.flushed = 0.0
 
@@ -36,6 +37,10 @@ class SampledStats(StatLoggerBase):
                engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
             self.scheduler = scheduler_stats
+            cache = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if cache is not None:
+                self.cache_queries += cache.queries
+                self.cache_hits += cache.hits
         finished = 0
         if iteration_stats is not None:
             self.prompt += iteration_stats.num_prompt_tokens
@@ -51,10 +56,13 @@ class SampledStats(StatLoggerBase):
         metrics, tags = engine_metrics(), self.tags
         for counter, count in ((metrics.vllm_prompt_tokens, self.prompt),
                                (metrics.vllm_generation_tokens, self.generated),
-                               (metrics.vllm_finished, self.finished)):
+                               (metrics.vllm_finished, self.finished),
+                               (metrics.vllm_prefix_cache_queries, self.cache_queries),
+                               (metrics.vllm_prefix_cache_hits, self.cache_hits)):
             if count:
                 counter.inc(count, tags=tags)
         self.prompt = self.generated = self.finished = 0
+        self.cache_queries = self.cache_hits = 0
         stats = self.scheduler
         if stats is not None:
             LEVELS.set(metrics.vllm_running, tags, stats.num_running_reqs)

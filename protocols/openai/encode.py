@@ -156,6 +156,7 @@ class _UsageCounter:
         self.n = n
         self.requested = n * prompts
         self.prompt = 0
+        self.cached = 0  # prompt tokens the engine's prefix cache already held
         self.completion = 0
 
     def token(self) -> None:
@@ -164,10 +165,12 @@ class _UsageCounter:
     def final(self, event: FinalEvent) -> None:
         if event.index < self.requested and event.index % self.n == 0:
             self.prompt += event.usage.prompt_tokens
+            self.cached += event.usage.cached_tokens
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
-                "total_tokens": self.prompt + self.completion}
+                "total_tokens": self.prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
 
 
 def _error_chunk(event: ErrorEvent) -> dict:

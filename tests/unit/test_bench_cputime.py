@@ -7,6 +7,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from bench import cputime
 
@@ -154,3 +155,42 @@ def test_a_second_applications_processes_read_apart_from_the_first_ones(tmp_path
                    worker: "VLLM::Worker @model-1",
                    other.pid: "ray::ServeReplica:model-0:engine-y"}
     assert plain[worker] == "VLLM::Worker"
+
+
+# A server stand-in: one child per title given (empty: left untitled), as vLLM starts its
+# engine-core and worker under the process that serves.
+SERVER = """
+import subprocess, sys, time
+child = "import setproctitle, sys, time\\nif sys.argv[1]: setproctitle.setproctitle(sys.argv[1])\\n" \\
+        "open(sys.argv[2], 'w').close()\\ntime.sleep(30)"
+kids = [subprocess.Popen([sys.executable, "-c", child, title, f"{sys.argv[1]}.{i}"])
+        for i, title in enumerate(sys.argv[2:])]
+time.sleep(30)
+"""
+
+
+def _server(tmp_path, *titles: str) -> subprocess.Popen:
+    ready = tmp_path / f"server{len(list(tmp_path.iterdir()))}"
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(ready), *titles])
+    for i in range(len(titles)):
+        _wait_for(tmp_path / f"{ready.name}.{i}")
+    return server
+
+
+def test_a_tree_whose_engine_processes_lack_their_titles_is_refused(tmp_path):
+    """A round whose vLLM processes cannot all be named is refused rather than split: an
+    untitled worker's CPU would count as serving stack (a round seen so)."""
+    servers = [_server(tmp_path, "VLLM::EngineCore", "VLLM::Worker"),
+               _server(tmp_path, "VLLM::EngineCore", ""), _server(tmp_path, "", "")]
+    try:
+        assert cputime.require_engines(servers[0].pid) == {"VLLM::EngineCore": 1,
+                                                           "VLLM::Worker": 1}
+        with pytest.raises(cputime.UnidentifiedEngine, match="1 VLLM::EngineCore and 0"):
+            cputime.require_engines(servers[1].pid)
+        with pytest.raises(cputime.UnidentifiedEngine, match="0 VLLM::EngineCore and 0"):
+            cputime.require_engines(servers[2].pid)
+    finally:
+        for server in servers:
+            for child in psutil.Process(server.pid).children(recursive=True):
+                child.kill()
+            server.kill()

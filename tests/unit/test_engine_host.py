@@ -237,7 +237,8 @@ async def test_openai_whole_response_folds_splices_before_echoing_the_prompt(cli
         r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5, "echo": True})
     body = r.json()
     assert [c["text"] for c in body["choices"]] == ["HiabHe!", "HiabHe!"]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 10, "total_tokens": 12}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 10, "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_a_backtrack_over_the_first_token_keeps_the_echo(client_for):

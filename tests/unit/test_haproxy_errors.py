@@ -347,3 +347,36 @@ def test_haproxy_ends_with_the_process_that_started_it_and_frees_the_port(tmp_pa
         replica.listener.close()
         with contextlib.suppress(psutil.NoSuchProcess):
             psutil.Process(haproxy_pid).kill()
+
+
+def test_an_application_with_an_ingress_request_router_is_shaped_into_a_valid_configuration(
+        tmp_path):
+    """A model routed by prefix has an ingress request router (gateway/ingress_router.py):
+    Serve then renders a second backend per application for the requests its router pinned,
+    with no path ACL of its own. The shaped configuration bounds that backend under its
+    application's ACL and passes HAProxy's own check."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    cfg = HAProxyConfig(socket_path=str(tmp_path / "admin.sock"), enable_hap_optimization=False,
+                        stats_port=free_port(), metrics_port=free_port(), metrics_enabled=False,
+                        http_options=HTTPOptions(host="127.0.0.1", port=free_port()))
+    replicas = [ServerConfig(f"SERVE_REPLICA_m-engine-{i}", "127.0.0.1", free_port(),
+                             replica_id=f"SERVE_REPLICA::m#engine#{i}") for i in range(2)]
+    backends = {"/model/m": BackendConfig(
+        name="http-m", path_prefix="/model/m", app_name="m", servers=replicas,
+        ingress_request_router_servers=[ServerConfig("router", "127.0.0.1", free_port())])}
+    path = tmp_path / "haproxy.cfg"
+    HAProxyApi(cfg, backends, config_file_path=str(path))._generate_config_file_internal()
+    shaped = tmp_path / "shaped.cfg"
+    shaped.write_text(shape_config(path.read_text(), str(tmp_path), SHAPES))
+    haproxy_errors.write_tables(str(tmp_path), SHAPES)
+    assert "lua.route_via_ingress_request_router" in shaped.read_text()
+    bound = [line for line in shaped.read_text().splitlines()
+             if "be_conn(http-m-via-ingress-request-router)" in line]
+    assert len(bound) == 1 and "is_http-m " in bound[0], bound
+    pinned = shaped.read_text().split("backend http-m-via-ingress-request-router\n", 1)[1]
+    assert pinned.splitlines()[0].strip() == "retry-on conn-failure empty-response"
+    check = subprocess.run([real_binary(), "-c", "-f", str(shaped)], capture_output=True,
+                           text=True, cwd=tmp_path)
+    assert check.returncode == 0, check.stderr[-2000:]

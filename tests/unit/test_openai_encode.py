@@ -45,7 +45,8 @@ async def test_completion_chunks_one_per_token_then_finish_then_usage():
     assert [c["choices"][0]["text"] for c in chunks[:2]] == ["a", "b"]
     assert chunks[2]["choices"][0]["finish_reason"] == "length"
     assert chunks[3]["choices"] == []
-    assert chunks[3]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert chunks[3]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0}}
     assert all(c["object"] == "text_completion" and c["id"] == "cmpl-1" for c in chunks)
 
 
@@ -124,7 +125,8 @@ async def test_collect_folds_n_choices_and_counts_prompt_once_per_prompt():
     collected = await collect(_aiter(events), n=2)
     body = completion_response(collected, meta, logprobs=False)
     assert [c["text"] for c in body["choices"]] == ["ab", "c"]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_prompt_scores_list_the_prompt_token_then_the_top_k_as_vllm_does():

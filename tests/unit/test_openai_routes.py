@@ -42,7 +42,8 @@ async def test_completion_non_stream(client, engine):
     assert r.status_code == 200
     assert body["choices"][0]["text"] == "Hello"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0}}
     sent = engine.requests[-1]
     assert sent.prompt == TextPrompt(text="Hi") and sent.sampling.temperature == 0
     assert sent.sampling.max_tokens == 5

@@ -143,7 +143,8 @@ async def test_openai_whole_responses_apply_splices_and_list_forks():
 async def test_openai_usage_counts_returned_tokens_and_the_prompt_once():
     """Usage: completion tokens as finally returned (4 + 4 inherited); one prompt, counted once."""
     body = completion_response(await collect(_aiter(SCRIPT), n=1), META, logprobs=False)
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_textgen_collect_makes_forks_extra_sequences():

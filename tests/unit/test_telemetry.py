@@ -238,8 +238,9 @@ def test_vllms_figures_are_summed_per_step_and_sent_once_a_second(recorded, monk
         served_model_name="m")))
 
     def step(prompt=0, generated=1, finished=0, running=2):
+        cache = SimpleNamespace(queries=prompt, hits=prompt // 2)
         logger.record(SimpleNamespace(num_running_reqs=running, num_waiting_reqs=1,
-                                      kv_cache_usage=0.25),
+                                      kv_cache_usage=0.25, prefix_cache_stats=cache),
                       SimpleNamespace(num_prompt_tokens=prompt, num_generation_tokens=generated,
                                       finished_requests=[object()] * finished))
 
@@ -247,6 +248,8 @@ def test_vllms_figures_are_summed_per_step_and_sent_once_a_second(recorded, monk
     step(), step()  # within the second: kept
     assert recorded.count("llm_gateway_vllm_generation_tokens") == 1
     assert recorded.count("llm_gateway_vllm_prompt_tokens") == 7
+    assert recorded.count("llm_gateway_vllm_prefix_cache_queries") == 7
+    assert recorded.count("llm_gateway_vllm_prefix_cache_hits") == 3
     step(finished=1, running=0)  # a request finished: sent at once
     assert recorded.count("llm_gateway_vllm_generation_tokens") == 4
     assert recorded.count("llm_gateway_vllm_requests_finished") == 1

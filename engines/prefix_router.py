@@ -1,0 +1,89 @@
+"""Prefix-aware routing as Ray Serve's own request router (``RequestRouter``): every handle to
+a model's engine deployment picks a replica with it, in the gateway's ingress replicas (requests
+that take the engine channel) and in the model's ingress request router (requests HAProxy sends
+to the model's own application, ``gateway.ingress_router``). The policy is
+``engines.prefix_affinity``, the options and the request's prompt ``engines.routing``;
+docs/routing.md.
+
+This module holds the router class alone: Serve pickles it by value into each routing process,
+so what it defines is copied there (``engines.routing`` says why that matters).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import RequestRouter
+
+from engines.prefix_affinity import Pick, PrefixAffinity
+from engines.routing import ROUTING_STATS_KEY, request_blocks
+from engines.telemetry import engine_metrics
+
+__all__ = ["PrefixAwareRouter"]
+
+log = logging.getLogger("ray.serve")
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Serve's request router for a model's engine replicas (module docstring)."""
+
+    def initialize_state(self, model: str = "", max_imbalance: int = 4,
+                         memory_blocks: int = 65536, **_: Any):
+        self.affinity = PrefixAffinity(max_imbalance, memory_blocks)
+        self.model = model
+        self.picks: dict[str, int] = {"prefix": 0, "load": 0}
+        self._last_loads: dict[str, int] = {}
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.affinity.learn({r.replica_id.to_full_id_str(): r.routing_stats.get(ROUTING_STATS_KEY, ())
+                             for r in replicas})
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None,
+                              ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        blocks, question = request_blocks(pending_request.args if pending_request else ())
+        loads = await self._loads(candidate_replicas, fresh=question)
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        open_loads = {rid: load for rid, load in loads.items()
+                      if load < by_id[rid].max_ongoing_requests}
+        if not open_loads:  # every replica full: Serve backs off and asks again
+            return [candidate_replicas]
+        pick = self.affinity.pick(blocks, open_loads)
+        log.debug("routing %s: %s, loads %s", self._deployment_id, pick, open_loads)
+        self.affinity.record(blocks, pick.replica)
+        self._count(pick)
+        return [[by_id[pick.replica]]]
+
+    async def _loads(self, replicas: list[RunningReplica], fresh: bool) -> dict[str, int]:
+        """Requests each replica holds: asked of the replicas when ``fresh`` (a route question:
+        no request goes through this router, so its cache would not follow), else from Serve's
+        queue-length cache, which the requests this router sends keep current. A replica that
+        does not answer in time (Serve's probe deadline is 0.1 s, a busy small box misses it)
+        keeps its last known load rather than being passed over; one whose probe found it dead
+        is left out."""
+        cache = self.replica_queue_len_cache
+        ask = replicas if fresh else [r for r in replicas if cache.get(r.replica_id) is None]
+        probed = {r.replica_id: n for r, n in await self._probe_queue_lens(ask, 0)} if ask else {}
+        loads: dict[str, int] = {}
+        for r in replicas:
+            if r.replica_id not in self.curr_replicas:  # its probe found it dead: Serve dropped it
+                continue
+            rid = r.replica_id.to_full_id_str()
+            known = probed.get(r.replica_id)
+            if known is None:
+                known = cache.get(r.replica_id)
+            loads[rid] = self._last_loads.get(rid, 0) if known is None else known
+        self._last_loads = loads
+        return loads
+
+    def _count(self, pick: Pick) -> None:
+        self.picks[pick.reason] += 1
+        engine_metrics().routing_picks.inc(tags={"model": self.model, "reason": pick.reason})
+        if sum(self.picks.values()) % 1000 == 1:
+            log.info("prefix routing for %s: %s", self._deployment_id, self.picks)
