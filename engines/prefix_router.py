@@ -12,6 +12,8 @@ so what it defines is copied there (``engines.routing`` says why that matters).
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any
 
 from ray.serve._private.request_router.common import PendingRequest
@@ -25,6 +27,10 @@ from engines.telemetry import engine_metrics
 __all__ = ["PrefixAwareRouter"]
 
 log = logging.getLogger("ray.serve")
+# A replica HAProxy was just told to use counts one more request for this long: the request is
+# on its way (HAProxy forwards it after the answer), and until it arrives the replica's own
+# count misses it, so a burst would all be sent to the same idle replica.
+_IN_TRANSIT_S = 0.5
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -36,6 +42,7 @@ class PrefixAwareRouter(RequestRouter):
         self.model = model
         self.picks: dict[str, int] = {"prefix": 0, "load": 0}
         self._last_loads: dict[str, int] = {}
+        self._sent: deque[tuple[float, str]] = deque()  # this router's recent answers
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -57,6 +64,8 @@ class PrefixAwareRouter(RequestRouter):
         pick = self.affinity.pick(blocks, open_loads)
         log.debug("routing %s: %s, loads %s", self._deployment_id, pick, open_loads)
         self.affinity.record(blocks, pick.replica)
+        if question:
+            self._sent.append((time.monotonic(), pick.replica))
         self._count(pick)
         return [[by_id[pick.replica]]]
 
@@ -66,7 +75,8 @@ class PrefixAwareRouter(RequestRouter):
         queue-length cache, which the requests this router sends keep current. A replica that
         does not answer in time (Serve's probe deadline is 0.1 s, a busy small box misses it)
         keeps its last known load rather than being passed over; one whose probe found it dead
-        is left out."""
+        is left out. On a question, each request this router sent a replica within the last
+        ``_IN_TRANSIT_S`` counts once more."""
         cache = self.replica_queue_len_cache
         ask = replicas if fresh else [r for r in replicas if cache.get(r.replica_id) is None]
         probed = {r.replica_id: n for r, n in await self._probe_queue_lens(ask, 0)} if ask else {}
@@ -79,7 +89,13 @@ class PrefixAwareRouter(RequestRouter):
             if known is None:
                 known = cache.get(r.replica_id)
             loads[rid] = self._last_loads.get(rid, 0) if known is None else known
-        self._last_loads = loads
+        self._last_loads = dict(loads)
+        if fresh:  # what HAProxy is still forwarding is not in the replicas' answers yet
+            while self._sent and self._sent[0][0] < time.monotonic() - _IN_TRANSIT_S:
+                self._sent.popleft()
+            for _, rid in self._sent:
+                if rid in loads:
+                    loads[rid] += 1
         return loads
 
     def _count(self, pick: Pick) -> None:

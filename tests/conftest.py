@@ -1,14 +1,16 @@
 """Session fixtures for every test directory; items that need the real engine are marked e2e."""
 
+import os
+
 import pytest
 
 from gateway import serve_env
 
-# The environment Ray starts with for the gateway (HAProxy on, ...), applied before anything
-# imports Ray Serve: the tests build their Serve applications in this process (serve.run), and
-# Serve's builder reads that environment when it is first imported (an ingress request router,
-# docs/routing.md, needs HAProxy on in the builder too).
-serve_env.apply()
+# The tests build their Serve applications in this process (serve.run), and Serve's builder reads
+# whether HAProxy is on when Serve is first imported: a model routed by prefix gets its ingress
+# request router only under HAProxy (docs/routing.md), as the session's Ray runs. Only that
+# setting: the rest of the serve environment would change how this process's handles run.
+os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", serve_env.HAPROXY_ENV["RAY_SERVE_ENABLE_HA_PROXY"])
 
 from tests.serve_session import (  # noqa: E402
     colocated_url,

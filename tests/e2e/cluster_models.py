@@ -26,11 +26,13 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
+from gateway.model_routes import engine_deployment
 from gateway.serve_env import free_port
 from tests.readme_cluster import on_this_machine, readme_cluster_commands
 
 A, B = "tiny-a", "tiny-b"
 APP_A, APP_B = "model-tiny-a", "model-tiny-b"
+MODEL_OF_APP = {APP_A: A, APP_B: B}
 PROMPT = "The capital of France is"
 TOKENS = 8
 README = readme_cluster_commands()  # deployed and checked with the README's own commands
@@ -96,13 +98,13 @@ def _wait(condition, what: str, timeout_s: float = 300) -> None:
 
 
 def _replica_states(app: str) -> dict[str, int]:
+    """The model's engine replicas by state (its application also has the ingress request
+    router HAProxy asks, docs/routing.md: not a replica of the model)."""
     from ray import serve
 
-    states: dict[str, int] = {}
-    for d in serve.status().applications[app].deployments.values():
-        for state, n in d.replica_states.items():
-            states[str(state)] = states.get(str(state), 0) + n
-    return states
+    engine = engine_deployment(MODEL_OF_APP[app])
+    deployment = serve.status().applications[app].deployments[engine]
+    return {str(state): n for state, n in deployment.replica_states.items()}
 
 
 def _replicas(app: str) -> int:
