@@ -12,7 +12,7 @@ from gateway import serve_env
 # setting: the rest of the serve environment would change how this process's handles run.
 os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", serve_env.HAPROXY_ENV["RAY_SERVE_ENABLE_HA_PROXY"])
 
-from tests.serve_session import (  # noqa: E402
+from tests.serve_session import (
     colocated_url,
     engine_handle,
     gateway_url,
