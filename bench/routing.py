@@ -4,15 +4,20 @@ replica alone, on shared-prefix load and on load that shares nothing (docs/bench
 "Routing by prefix").
 
     python bench/routing.py [--models tiny,embedded] [--targets single,default,prefix,...]
-                            [--rounds 2] [--conversations 32] [--turns 5] [--concurrency 8]
+                            [--rounds 3] [--conversations 64] [--turns 6] [--concurrency 16]
+                            [--think-s 1.0]
 
-Workloads, per target and round, on one server start:
+Workloads, per target and round, on one server start, each as sessions of turns,
+``--concurrency`` sessions at a time, each turn sent after the previous one's answer and a
+think time (exponential, mean ``--think-s``: users read and type, so other users' turns come in
+between; without it a closed loop kept each client on the replica that had just answered it,
+HAProxy's least-connections choice, an affinity no real load has):
 
 - ``multi-turn``: conversations that resend their whole history each turn (OpenAI chat,
-  streamed), each opening with one of a few long shared system prompts; ``--concurrency``
-  conversations at a time, each turn after the previous one's answer.
-- ``unique``: as many single requests of like length, each with a system prompt of its own
-  (nothing to share), at the same concurrency.
+  streamed), each opening with one of a few shared system prompts and a long context of its
+  own in its first question (a document, an agent's task);
+- ``unique``: as many sessions whose turns are prompts of their own, as long as the
+  conversations' at the same turn, sharing nothing.
 
 Per target and workload: TTFT p50 / p90, output throughput, and the prefix-cache hit rate: the
 prompt tokens vLLM found in its prefix cache over all prompt tokens (vLLM's own per-request
@@ -71,19 +76,34 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join("".join(rng.choices(_SYLLABLES, k=rng.randint(1, 3))) for _ in range(n))
 
 
+class Session(msgspec.Struct, frozen=True):
+    """One user's turns. ``history``: each turn resends the conversation so far (its opening
+    system prompt, every earlier question and answer) and a new question; otherwise each turn is
+    a prompt of its own (``turns`` hold whole message lists), sharing nothing."""
+
+    history: bool
+    turns: tuple[tuple[dict, ...], ...]
+
+
 def workloads(seed: int, conversations: int, turns: int, systems: int = 4,
-              system_words: int = 300, user_words: int = 40) -> dict[str, list[list[dict]]]:
-    """Each workload as conversations: a system prompt and the user turns (answers come from
-    the server as it runs)."""
+              system_words: int = 200, context_words: int = 700,
+              user_words: int = 40) -> dict[str, list[Session]]:
+    """``multi-turn``: conversations opening with one of ``systems`` shared system prompts and
+    a first question carrying a long context of its own (a document, an agent's task: what a
+    replica must hold to answer the next turns cheaply); ``unique``: as many sessions of as many
+    turns, each turn's prompt as long as the conversation's at that turn, and each its own."""
     rng = random.Random(seed)
     shared = [_words(rng, system_words) for _ in range(systems)]
-    multi = [[{"role": "system", "content": shared[c % systems]},
-              *({"role": "user", "content": _words(rng, user_words)} for _ in range(turns))]
-             for c in range(conversations)]
-    mean_words = system_words + (turns - 1) / 2 * (user_words + MAX_TOKENS) + user_words
-    unique = [[{"role": "system", "content": _words(rng, int(mean_words))},
-               {"role": "user", "content": _words(rng, user_words)}]
-              for _ in range(conversations * turns)]
+    multi = [Session(history=True, turns=(
+        ({"role": "system", "content": shared[c % systems]},
+         {"role": "user", "content": _words(rng, context_words + user_words)}),
+        *(({"role": "user", "content": _words(rng, user_words)},) for _ in range(turns - 1))))
+        for c in range(conversations)]
+    opening = system_words + context_words
+    unique = [Session(history=False, turns=tuple(
+        ({"role": "system", "content": _words(rng, opening + t * (user_words + MAX_TOKENS))},
+         {"role": "user", "content": _words(rng, user_words)}) for t in range(turns)))
+        for _ in range(conversations)]
     return {"multi-turn": multi, "unique": unique}
 
 
@@ -111,23 +131,25 @@ async def _turn(http: aiohttp.ClientSession, url: str, model: str,
                    completion=usage["completion_tokens"]), "".join(text)
 
 
-async def run_workload(url: str, model: str, conversations: list[list[dict]],
-                       concurrency: int) -> tuple[list[Reading], int, float]:
-    """Every conversation, ``concurrency`` at a time, turn after turn: the readings, the failed
-    turns (a failed turn ends its conversation) and the wall time."""
+async def run_workload(url: str, model: str, sessions: list[Session], concurrency: int,
+                       think_s: float, seed: int) -> tuple[list[Reading], int, float]:
+    """Every session, ``concurrency`` at a time, each turn after the previous one's answer and
+    a think time (exponential, mean ``think_s``: users read and type, so other users' turns
+    come in between, as they do on a shared server): the readings, the failed turns (a failed
+    turn ends its session) and the wall time."""
     queue: asyncio.Queue = asyncio.Queue()
-    for conversation in conversations:
-        queue.put_nowait(conversation)
+    for session in sessions:
+        queue.put_nowait(session)
     readings: list[Reading] = []
     failed = 0
+    rng = random.Random(seed)
 
     async def worker(http: aiohttp.ClientSession) -> None:
         nonlocal failed
         while not queue.empty():
-            script = queue.get_nowait()
-            history = [script[0]]
-            for user in script[1:]:
-                history.append(user)
+            session, history = queue.get_nowait(), []
+            for turn in session.turns:
+                history = [*history, *turn] if session.history else list(turn)
                 try:
                     reading, answer = await _turn(http, url, model, history)
                 except Exception as exc:
@@ -136,6 +158,7 @@ async def run_workload(url: str, model: str, conversations: list[list[dict]],
                     break
                 readings.append(reading)
                 history.append({"role": "assistant", "content": answer})
+                await asyncio.sleep(rng.expovariate(1 / think_s) if think_s else 0)
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -168,9 +191,9 @@ def measure(args) -> list[dict]:
                 try:
                     placed = servers.serve_ready(PEER[target], model, proc)
                     url = f"http://127.0.0.1:{servers.PORTS[PEER[target]]}"
-                    for name, conversations in loads.items():
-                        got = asyncio.run(run_workload(url, model, conversations,
-                                                       args.concurrency))
+                    for name, sessions in loads.items():
+                        got = asyncio.run(run_workload(url, model, sessions, args.concurrency,
+                                                       args.think_s, args.seed + rnd))
                         row = {"model": model, "target": target, "round": rnd,
                                "workload": name, "peer_placement": placed, **summary(*got)}
                         rows.append(row)
@@ -208,8 +231,9 @@ def ratios(rows: list[dict], metric: str) -> dict[tuple[str, str, str], dict]:
 
 
 def report(rows: list[dict], args) -> str:
-    lines = [f"{args.concurrency} conversations at a time, {args.conversations} conversations of "
-             f"{args.turns} turns ({MAX_TOKENS} tokens an answer), {args.rounds} rounds; "
+    lines = [f"{args.concurrency} sessions at a time, {args.conversations} sessions of "
+             f"{args.turns} turns ({MAX_TOKENS} tokens an answer, think time {args.think_s} s "
+             f"on average), {args.rounds} rounds; "
              f"{servers.machine()}; load generator at {args.client} priority.", "",
              "| model | workload | target | TTFT p50 ms | TTFT p90 ms | output tok/s | "
              "hit rate | failed |", "|---|---|---|---|---|---|---|---|"]
@@ -231,10 +255,11 @@ def main() -> None:
     parser.add_argument("--models", type=split, default=["tiny"])
     parser.add_argument("--targets", type=split, default=["single", BASELINE, "prefix",
                                                           "serve-llm-prefix"])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--think-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--client", choices=CLIENT_PRIORITIES, default="realtime")
     args = parser.parse_args()

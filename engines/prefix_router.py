@@ -11,6 +11,7 @@ so what it defines is copied there (``engines.routing`` says why that matters).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -43,6 +44,7 @@ class PrefixAwareRouter(RequestRouter):
         self.picks: dict[str, int] = {"prefix": 0, "load": 0}
         self._last_loads: dict[str, int] = {}
         self._sent: deque[tuple[float, str]] = deque()  # this router's recent answers
+        self._probing: asyncio.Future | None = None
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -55,7 +57,7 @@ class PrefixAwareRouter(RequestRouter):
         if not candidate_replicas:
             return []
         blocks, question = request_blocks(pending_request.args if pending_request else ())
-        loads = await self._loads(candidate_replicas, fresh=question)
+        loads = self._loads(candidate_replicas, question)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         open_loads = {rid: load for rid, load in loads.items()
                       if load < by_id[rid].max_ongoing_requests}
@@ -69,28 +71,26 @@ class PrefixAwareRouter(RequestRouter):
         self._count(pick)
         return [[by_id[pick.replica]]]
 
-    async def _loads(self, replicas: list[RunningReplica], fresh: bool) -> dict[str, int]:
-        """Requests each replica holds: asked of the replicas when ``fresh`` (a route question:
-        no request goes through this router, so its cache would not follow), else from Serve's
-        queue-length cache, which the requests this router sends keep current. A replica that
-        does not answer in time (Serve's probe deadline is 0.1 s, a busy small box misses it)
-        keeps its last known load rather than being passed over; one whose probe found it dead
-        is left out. On a question, each request this router sent a replica within the last
-        ``_IN_TRANSIT_S`` counts once more."""
+    def _loads(self, replicas: list[RunningReplica], question: bool) -> dict[str, int]:
+        """Requests each replica holds, without waiting for anything: Serve's queue-length
+        cache, which the requests this router sends keep current, and which a probe of every
+        replica refreshes in the background (one round at a time; a decision that waited for
+        its probes took up to Serve's 0.1 s deadline when the replicas' event loops were busy
+        streaming, measured on TTFT). A replica the cache knows nothing of keeps its last known
+        load; one a probe found dead is left out. On a question (no request follows through
+        this router), each request it pointed at a replica in the last ``_IN_TRANSIT_S`` counts
+        once more: HAProxy forwards it after the answer, and the replica's count misses it."""
+        self._probe_in_background(replicas)
         cache = self.replica_queue_len_cache
-        ask = replicas if fresh else [r for r in replicas if cache.get(r.replica_id) is None]
-        probed = {r.replica_id: n for r, n in await self._probe_queue_lens(ask, 0)} if ask else {}
         loads: dict[str, int] = {}
         for r in replicas:
-            if r.replica_id not in self.curr_replicas:  # its probe found it dead: Serve dropped it
+            if r.replica_id not in self.curr_replicas:  # a probe found it dead: Serve dropped it
                 continue
             rid = r.replica_id.to_full_id_str()
-            known = probed.get(r.replica_id)
-            if known is None:
-                known = cache.get(r.replica_id)
+            known = cache.get(r.replica_id)
             loads[rid] = self._last_loads.get(rid, 0) if known is None else known
         self._last_loads = dict(loads)
-        if fresh:  # what HAProxy is still forwarding is not in the replicas' answers yet
+        if question:
             while self._sent and self._sent[0][0] < time.monotonic() - _IN_TRANSIT_S:
                 self._sent.popleft()
             for _, rid in self._sent:
@@ -98,8 +98,12 @@ class PrefixAwareRouter(RequestRouter):
                     loads[rid] += 1
         return loads
 
+    def _probe_in_background(self, replicas: list[RunningReplica]) -> None:
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.ensure_future(self._probe_queue_lens(replicas, 0))
+
     def _count(self, pick: Pick) -> None:
         self.picks[pick.reason] += 1
         engine_metrics().routing_picks.inc(tags={"model": self.model, "reason": pick.reason})
-        if sum(self.picks.values()) % 1000 == 1:
+        if sum(self.picks.values()) % 100 == 1:
             log.info("prefix routing for %s: %s", self._deployment_id, self.picks)
