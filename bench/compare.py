@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import cputime
 from bench.load import CLIENT_PRIORITIES, client_priority, run_load
+from bench.pooled import pool
 from bench.servers import (
     PORTS,
     RESULTS,
@@ -151,10 +152,25 @@ def summarize(rows: list[dict], args) -> str:
                              f"{_per_1k(got, 'engine_cpu_s'):.2f} | "
                              f"{statistics.fmean(r.get('idle_other_cpu_s', nan) for r in got):.2f} | "
                              f"{_paces(got)} |")
-        lines.append("")
+        lines += ["", *_pooled_lines(mine), ""]
     failed = sum(r.get("failed", 0) for r in rows)
     lines.append(f"Failed requests: {failed}. Machine: {machine()}.")
     return "\n".join(lines)
+
+
+def _pooled_lines(rows: list[dict]) -> list[str]:
+    """Each target's throughput over bare vLLM's in the same round, one reading a round, pooled
+    (``bench.pooled``: mean, standard error, 95 % interval): the figure every bar is read from."""
+    bare = {(r["concurrency"], r["round"]): r["output_throughput"] for r in rows
+            if r["target"] == "bare"}
+    readings: dict[tuple[int, str], list[float]] = {}
+    for r in rows:
+        base = bare.get((r["concurrency"], r["round"]))
+        if r["target"] != "bare" and base:
+            readings.setdefault((r["concurrency"], r["target"]), []).append(
+                r["output_throughput"] / base)
+    return [f"- c={conc}, {target} vs bare, same-round ratios: {pool(got).text()}"
+            for (conc, target), got in sorted(readings.items())]
 
 
 def _paces(rows: list[dict]) -> str:

@@ -45,6 +45,7 @@ class PrefixAwareRouter(RequestRouter):
         self._last_loads: dict[str, int] = {}
         self._sent: deque[tuple[float, str]] = deque()  # this router's recent answers
         self._probing: asyncio.Future | None = None
+        self._measured_at = 0.0  # when the last probe round that came back began
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -78,8 +79,9 @@ class PrefixAwareRouter(RequestRouter):
         its probes took up to Serve's 0.1 s deadline when the replicas' event loops were busy
         streaming, measured on TTFT). A replica the cache knows nothing of keeps its last known
         load; one a probe found dead is left out. On a question (no request follows through
-        this router), each request it pointed at a replica in the last ``_IN_TRANSIT_S`` counts
-        once more: HAProxy forwards it after the answer, and the replica's count misses it."""
+        this router), each request it pointed at a replica since the last probe round began
+        (within ``_IN_TRANSIT_S``) counts once more: HAProxy forwards it after the answer, and
+        the replica's count may miss it."""
         self._probe_in_background(replicas)
         cache = self.replica_queue_len_cache
         loads: dict[str, int] = {}
@@ -91,7 +93,8 @@ class PrefixAwareRouter(RequestRouter):
             loads[rid] = self._last_loads.get(rid, 0) if known is None else known
         self._last_loads = dict(loads)
         if question:
-            while self._sent and self._sent[0][0] < time.monotonic() - _IN_TRANSIT_S:
+            since = max(self._measured_at, time.monotonic() - _IN_TRANSIT_S)
+            while self._sent and self._sent[0][0] <= since:
                 self._sent.popleft()
             for _, rid in self._sent:
                 if rid in loads:
@@ -99,8 +102,16 @@ class PrefixAwareRouter(RequestRouter):
         return loads
 
     def _probe_in_background(self, replicas: list[RunningReplica]) -> None:
+        """One round of probes at a time; once it is in, the requests sent before it began are
+        in the replicas' counts, and no longer counted as in transit (counted twice, a busy
+        replica's load was inflated and its conversations sent elsewhere: fewer cache hits)."""
         if self._probing is None or self._probing.done():
+            began = time.monotonic()
             self._probing = asyncio.ensure_future(self._probe_queue_lens(replicas, 0))
+            self._probing.add_done_callback(lambda _: self._measured(began))
+
+    def _measured(self, began: float) -> None:
+        self._measured_at = max(self._measured_at, began)
 
     def _count(self, pick: Pick) -> None:
         self.picks[pick.reason] += 1
