@@ -74,16 +74,18 @@ class Routing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     (docs/routing.md). ``prefix``: the replica most likely to hold the prompt's prefix in its KV
     cache (the one sent the longest part of it), unless that replica holds more than
     ``max_imbalance`` requests beyond the least-loaded one: then, and for a prompt no replica
-    was sent, the least loaded. ``load``: Serve's own (power of two choices), blind to
-    prefixes. ``memory_blocks``: prefix keys each router remembers (one per 128 characters of
-    prompt; 65,536 cover 8M characters)."""
+    was sent, the least loaded. ``max_imbalance`` unset: an eighth of what a replica holds at
+    once (``max_ongoing_requests``), at least 4 (vLLM's default: 32; a re-sent conversation's
+    prefill costs more than a few more sequences in a batch). ``load``: Serve's own (power of
+    two choices), blind to prefixes. ``memory_blocks``: prefix keys each router remembers (one
+    per 128 characters of prompt; 65,536 cover 8M characters)."""
 
     policy: Literal["prefix", "load"] = "prefix"
-    max_imbalance: int = 4
+    max_imbalance: int | None = None
     memory_blocks: int = 65536
 
     def __post_init__(self) -> None:
-        if self.max_imbalance < 0 or self.memory_blocks < 1:
+        if (self.max_imbalance is not None and self.max_imbalance < 0) or self.memory_blocks < 1:
             raise ValueError("routing: max_imbalance must be >= 0 and memory_blocks >= 1")
 
 
@@ -190,6 +192,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def routes_by_prefix(self) -> bool:
         """Whether requests pick among several replicas by prefix (``Routing``)."""
         return self.routing.policy == "prefix" and self.max_replicas() > 1
+
+    def routing_imbalance(self) -> int:
+        """``Routing.max_imbalance``, or its default for this model's replicas."""
+        if self.routing.max_imbalance is not None:
+            return self.routing.max_imbalance
+        return max(4, self.ongoing_limit() // 8)
 
     def replica_options(self) -> dict[str, Any]:
         """Serve's replica count options: a fixed count or the autoscaling config."""

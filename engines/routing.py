@@ -56,7 +56,7 @@ def routing_options(model: ModelConfig) -> dict[str, Any]:
         return {}
     from ray.serve.config import RequestRouterConfig
 
-    kwargs = {"model": model.name, "max_imbalance": model.routing.max_imbalance,
+    kwargs = {"model": model.name, "max_imbalance": model.routing_imbalance(),
               "memory_blocks": model.routing.memory_blocks}
     return {"request_router_config": RequestRouterConfig(
         request_router_class="engines.prefix_router:PrefixAwareRouter",

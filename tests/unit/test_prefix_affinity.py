@@ -151,6 +151,12 @@ def test_a_model_routes_by_prefix_when_it_has_replicas_to_choose_from(model, rou
     assert msgspec.convert(model, ModelConfig).routes_by_prefix() is routed
 
 
+def test_the_imbalance_bound_scales_with_what_a_replica_holds():
+    assert ModelConfig(num_replicas=2).routing_imbalance() == 32  # vLLM: 2 x 128 sequences / 8
+    assert ModelConfig(num_replicas=2, max_ongoing_requests=8).routing_imbalance() == 4
+    assert ModelConfig(num_replicas=2, routing=Routing(max_imbalance=0)).routing_imbalance() == 0
+
+
 def test_routing_settings_are_checked():
     with pytest.raises(ValueError, match="max_imbalance"):
         Routing(max_imbalance=-1)
