@@ -51,7 +51,8 @@ def realtime_client(wanted: str) -> str:
 
 
 def run_load(port: int, model: str, model_dir: str, concurrency: int, prompts: int,
-           backend: str, client: str = "normal") -> dict:
+           backend: str, client: str = "normal", extra: tuple[str, ...] = ()) -> dict:
+    """``extra``: more ``vllm bench serve`` arguments (``--lora-modules ...``)."""
     out = Path(tempfile.mkdtemp(prefix="compare-"))
     endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
     cmd = [
@@ -63,7 +64,7 @@ def run_load(port: int, model: str, model_dir: str, concurrency: int, prompts: i
         "--num-warmups", str(max(4, concurrency)), "--ignore-eos", "--temperature", "0",
         "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,90,99",
-        "--save-result", "--result-dir", str(out), "--result-filename", "r.json",
+        "--save-result", "--result-dir", str(out), "--result-filename", "r.json", *extra,
     ]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                    preexec_fn=realtime if client == "realtime" else None)

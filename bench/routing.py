@@ -268,13 +268,7 @@ def main() -> None:
         raise SystemExit(f"targets among {sorted(TARGETS)}, {BASELINE!r} included")
     args.client = realtime_client(args.client)
     rows = measure(args)
-    stamp = time.strftime("%Y-%m-%d-%H%M%S")
-    servers.RESULTS.mkdir(parents=True, exist_ok=True)
-    out = servers.RESULTS / f"routing-{stamp}"
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    text = report(rows, args)
-    out.with_suffix(".md").write_text(text)
-    print(text)
+    servers.write_results("routing", args, rows, report(rows, args))
 
 
 if __name__ == "__main__":

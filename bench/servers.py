@@ -367,6 +367,18 @@ def models(names: list[str]) -> list[tuple[str, str, dict]]:
             raise SystemExit(f"unknown model {name!r}: embedded or tiny")
     return out
 
+
+def write_results(name: str, args: object, rows: list[dict], report: str) -> Path:
+    """``bench/results/<name>-<time>.{json,md}``: the rows with the run's arguments, and the
+    report (printed too)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}-{time.strftime('%Y-%m-%d-%H%M%S')}"
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(report)
+    print(report)
+    return out
+
+
 def machine() -> str:
     flags = set()
     with open("/proc/cpuinfo") as f:

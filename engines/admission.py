@@ -43,6 +43,9 @@ def check_request(request: GenerateRequest, info: ModelInfo) -> None:
     if request.controller is not None and caps.controllers == "none":
         raise Refused(f"controllers are not supported by the {info.engine} engine serving "
                       f"{info.name}", "controller")
+    if request.adapter is not None and not caps.adapters:
+        raise Refused(f"model {info.name} serves no LoRA adapters (adapter "
+                      f"{request.adapter.name!r})", "model")
     check_prompt_size(request.prompt, info)
     if isinstance(request.prompt, TokenPrompt):
         _check_ids(request.prompt.token_ids, info.vocab_size, "prompt")

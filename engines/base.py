@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from protocols.internal import Event, GenerateRequest, ModelInfo, Prompt
+from protocols.internal import Adapter, Event, GenerateRequest, ModelInfo, Prompt
 
 __all__ = ["Admitted", "Engine", "PromptError", "ReferenceEngine", "ReferenceOutput"]
 
@@ -66,5 +66,7 @@ class ReferenceEngine(Protocol):
     """Optional: an engine kind that can produce an independent oracle for parity tests (vLLM:
     its own API with its own defaults; a layer-split engine: the unsplit model)."""
 
-    async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
+    async def reference_greedy(self, prompt: str | list[int], max_tokens: int,
+                               adapter: Adapter | None = None) -> ReferenceOutput:
+        """``adapter``: with that LoRA adapter (kinds that serve adapters)."""
         ...

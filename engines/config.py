@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -9,7 +10,7 @@ import msgspec
 from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
 from engines.kinds import check_engine_args, kind_of
 
-__all__ = ["Autoscaling", "Controllers", "ModelConfig", "Routing"]
+__all__ = ["Autoscaling", "Controllers", "Lora", "ModelConfig", "Routing", "plain_adapter_name"]
 
 
 class Controllers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -89,6 +90,41 @@ class Routing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ValueError("routing: max_imbalance must be >= 0 and memory_blocks >= 1")
 
 
+class Lora(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """LoRA adapters of a model (docs/adapters.md; kinds that serve them: ``vllm``). A request
+    names one as its model (OpenAI, Responses, Anthropic, LMTP, AICI) or beside it (TGI's
+    ``adapter_id``, SageMaker's adapter header, MindIE's ``adapter_id``).
+
+    ``directory``: a folder whose subfolders are adapters in PEFT's layout, each named by its
+    folder; read again when a request names an adapter not seen yet, so adapters copied or
+    loaded there (``/v1/load_lora_adapter`` links them in) are served without a restart. On a
+    cluster, a path every node reads (a shared mount). ``adapters``: more adapters by name,
+    ``{name: directory}``. ``max_loaded``: adapters one replica runs at once (the rest wait
+    for a slot, least recently used first out: vLLM's ``max_loras``); ``max_rank``: the
+    largest rank served (a higher one is refused in the protocol's shape)."""
+
+    directory: str | None = None
+    adapters: dict[str, str] = {}
+    max_loaded: int = 4
+    max_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loaded < 1 or self.max_rank < 1:
+            raise ValueError("lora: max_loaded and max_rank must be >= 1")
+        for name, path in self.adapters.items():
+            if not plain_adapter_name(name) or not path:
+                raise ValueError(f"lora: adapter {name!r} needs a plain name (letters, digits, "
+                                 "'._-') and a directory")
+
+
+def plain_adapter_name(name: str) -> bool:
+    """Whether ``name`` can name an adapter (and its folder): no separators, no dot names."""
+    return bool(_ADAPTER_NAME.match(name)) and name not in (".", "..")
+
+
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One model the gateway serves.
 
@@ -114,6 +150,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``num_cpus`` / ``num_gpus`` / ``resources`` are added to the ingress's own. At most one
     model per gateway, not with ``app``, ``num_replicas`` or ``autoscaling``.
     ``routing``: how requests pick a replica when there are several (``Routing``).
+    ``lora``: the model's LoRA adapters (``Lora``; None: none).
     """
 
     name: str = EMBEDDED_MODEL_NAME
@@ -140,6 +177,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # and the hook off; set on a kind that runs none, the config is refused.
     controllers: Controllers | msgspec.UnsetType | None = msgspec.UNSET
     routing: Routing = Routing()
+    lora: Lora | None = None
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -162,6 +200,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if not self.health_check_period_s > 0:
             raise ValueError("health_check_period_s must be positive")
         kind = kind_of(self)  # a kind it names
+        if self.lora is not None and not kind.serves_adapters:
+            raise ValueError(f"model {self.name!r}: the {self.engine} engine serves no LoRA "
+                             "adapters; leave `lora` out")
+        if self.lora is not None and self.name in self.lora.adapters:
+            raise ValueError(f"model {self.name!r}: an adapter cannot share its model's name")
         if self.controllers is msgspec.UNSET:
             msgspec.structs.force_setattr(
                 self, "controllers", Controllers() if kind.runs_controllers else None)

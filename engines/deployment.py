@@ -21,6 +21,7 @@ from engines.channel import ChannelAddress, ChannelSender
 from engines.config import ModelConfig
 from engines.prefix_affinity import RecentPrompts
 from protocols.internal import (
+    Adapter,
     EngineStats,
     Event,
     GenerateRequest,
@@ -78,7 +79,8 @@ class EngineReplica:
     def note_request(self, request: GenerateRequest) -> None:
         """A generation starts here: recorded for prefix routing (docs/routing.md)."""
         if self.recent_prompts is not None:
-            self.recent_prompts.note(request.prompt)
+            adapter = request.adapter.name if request.adapter is not None else ""
+            self.recent_prompts.note(request.prompt, adapter)
 
     def record_routing_stats(self) -> dict[str, list[int]]:
         """Serve's controller collects this for the model's routers (``engines.prefix_router``)."""
@@ -124,9 +126,11 @@ class EngineReplica:
     async def check_health(self) -> None:
         await self.host.check_health()
 
-    async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
-        """The engine kind's own greedy decoding, bypassing the gateway (parity tests' oracle)."""
-        return await self.host.reference_greedy(prompt, max_tokens)
+    async def reference_greedy(self, prompt: str | list[int], max_tokens: int,
+                               adapter: Adapter | None = None) -> ReferenceOutput:
+        """The engine kind's own greedy decoding, bypassing the gateway (parity tests' oracle);
+        ``adapter``: with that LoRA adapter."""
+        return await self.host.reference_greedy(prompt, max_tokens, adapter)
 
 
 EngineDeployment = serve.deployment(health_check_period_s=10,

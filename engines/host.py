@@ -20,6 +20,7 @@ from engines.base import Admitted, Engine, PromptError, ReferenceEngine, Referen
 from engines.offload import Busy, Offload
 from engines.telemetry import LEVELS, engine_metrics
 from protocols.internal import (
+    Adapter,
     BacktrackEvent,
     EngineStats,
     EngineUnavailable,
@@ -110,10 +111,13 @@ class EngineHost:
         except Busy:
             raise EngineUnavailable(self.info.name, "busy with large prompts") from None
 
-    async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
+    async def reference_greedy(self, prompt: str | list[int], max_tokens: int,
+                               adapter: Adapter | None = None) -> ReferenceOutput:
         if not isinstance(self.engine, ReferenceEngine):
             raise NotImplementedError(f"the {self.info.engine} engine has no reference decoder")
-        return await self.engine.reference_greedy(prompt, max_tokens)
+        if adapter is None:
+            return await self.engine.reference_greedy(prompt, max_tokens)
+        return await self.engine.reference_greedy(prompt, max_tokens, adapter)
 
     async def _admit(self, request: GenerateRequest) -> Admitted | ErrorEvent:
         """The request checked and its prompt rendered within its deadline, or the error event

@@ -37,6 +37,8 @@ class EngineKind(msgspec.Struct, frozen=True, kw_only=True):
     arg_check: str | None = None
     # Hosts AICI-style controllers (ModelConfig.controllers defaults on, docs/controllers.md).
     runs_controllers: bool = False
+    # Serves LoRA adapters (ModelConfig.lora, GenerateRequest.adapter; docs/adapters.md).
+    serves_adapters: bool = False
     # Where its compute runs, which decides the placement step of its start (engines/placement.py):
     # "own_worker", a worker process that pins cores of its own (vLLM on CPU: the node's serving
     # processes move off them once it is up); "replica", the replica's own process (it keeps
@@ -48,7 +50,8 @@ ENGINE_KINDS: dict[str, EngineKind] = {
     # vLLM's SchedulerConfig default batch.
     "vllm": EngineKind(implementation="engines.vllm.engine:VLLMEngine",
                        concurrency_arg="max_num_seqs", default_concurrency=128,
-                       runs_controllers=True, computes_in="own_worker"),
+                       runs_controllers=True, serves_adapters=True,
+                       computes_in="own_worker"),
     # PipelineArgs.max_sequences' default (a unit test holds them equal).
     "pipeline": EngineKind(implementation="engines.pipeline.engine:PipelineEngine",
                            concurrency_arg="max_sequences", default_concurrency=16,

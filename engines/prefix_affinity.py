@@ -59,12 +59,17 @@ def prompt_text(prompt: Prompt) -> str:
     return "".join(f"{token}," for token in ids)
 
 
-def prefix_blocks(text: str) -> tuple[int, ...]:
+def prefix_blocks(text: str, adapter: str = "") -> tuple[int, ...]:
     """The keys of ``text``'s whole blocks (a partial last block has none): each a 64-bit hash
-    of the text from its start to the block's end."""
+    of the text from its start to the block's end. With a LoRA ``adapter``, a first key for the
+    adapter alone, and every block's key chained from it: an engine caches a prompt per adapter,
+    and a replica that ran the adapter holds it loaded (docs/adapters.md)."""
     hasher = hashlib.blake2b(digest_size=8)
     end = min(len(text), BLOCK_CHARS * MAX_BLOCKS)
     keys = []
+    if adapter:
+        hasher.update(b"\0adapter\0" + adapter.encode("utf-8", "surrogatepass") + b"\0")
+        keys.append(int.from_bytes(hasher.copy().digest(), "little"))
     for start in range(0, end - BLOCK_CHARS + 1, BLOCK_CHARS):
         hasher.update(text[start:start + BLOCK_CHARS].encode("utf-8", "surrogatepass"))
         keys.append(int.from_bytes(hasher.copy().digest(), "little"))
@@ -147,10 +152,14 @@ class RecentPrompts:
     def __init__(self, capacity: int = 2048):
         self._keys: deque[int] = deque(maxlen=capacity)
 
-    def note(self, prompt: Prompt) -> None:
-        blocks = prefix_blocks(prompt_text(prompt))
+    def note(self, prompt: Prompt, adapter: str = "") -> None:
+        """``adapter``: the request's LoRA adapter, whose own key is noted too (other routers
+        learn that this replica runs it)."""
+        blocks = prefix_blocks(prompt_text(prompt), adapter)
         if blocks:
             self._keys.append(blocks[-1])
+        if adapter and len(blocks) > 1:
+            self._keys.append(blocks[0])
 
     def keys(self) -> list[int]:
         return list(dict.fromkeys(reversed(self._keys)))

@@ -44,7 +44,8 @@ def request_blocks(args: Sequence[Any]) -> tuple[tuple[int, ...], bool]:
     if isinstance(first, RouteQuery):
         return first.blocks, True
     if isinstance(first, GenerateRequest):
-        return prefix_blocks(prompt_text(first.prompt)), False
+        adapter = first.adapter.name if first.adapter is not None else ""
+        return prefix_blocks(prompt_text(first.prompt), adapter), False
     return (), False
 
 

@@ -211,7 +211,8 @@ class GatewayIngress:
         limits = [model.pending_limit() for model in config.models]
         self._capacity = None if None in limits else sum(limits)
         self._registry = ModelRegistry(clients, config.aliases,
-                                       expose_paths=config.expose_model_paths)
+                                       expose_paths=config.expose_model_paths,
+                                       adapters=config.adapter_catalogs())
         self._config = config
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -7,6 +7,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from engines.config import ModelConfig
+from gateway.adapters import AdapterCatalog
 from gateway.keys import ApiKey
 from protocols.catalog import PROTOCOLS
 
@@ -122,6 +123,16 @@ with rate limits). ``ingress_num_cpus``
             raise ValueError(f"aliases point at models that are not served: {dangling}")
         if self.tgi_model is not None and self.tgi_model not in {*names, *self.aliases}:
             raise ValueError(f"tgi_model {self.tgi_model!r} is not a served model or alias")
+        named = [a for m in self.models if m.lora is not None for a in m.lora.adapters]
+        taken = sorted(({*names, *self.aliases} & set(named)) |
+                       {a for a in named if named.count(a) > 1})
+        if taken:  # a model's name resolves to the model: the adapter could not be reached
+            raise ValueError(f"adapter names must differ from model names, aliases and each "
+                             f"other: {taken}")
+
+    def adapter_catalogs(self) -> dict[str, AdapterCatalog]:
+        """Each model with LoRA adapters → its catalog (docs/adapters.md)."""
+        return {m.name: AdapterCatalog(m.name, m.lora) for m in self.models if m.lora is not None}
 
     def ingress_actor_options(self) -> dict[str, Any]:
         """The ingress replica's Ray options: its own CPUs plus a colocated model's needs."""

@@ -77,7 +77,8 @@ class ModelIngress(EngineReplica):
                                    request_timeout_s=config.request_timeout_s,
                                    max_pending=pending, on_request=self.note_request)
         self._registry = ModelRegistry({model.name: client}, config.aliases,
-                                       expose_paths=config.expose_model_paths)
+                                       expose_paths=config.expose_model_paths,
+                                       adapters=config.adapter_catalogs())
         self._config = config
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -43,6 +43,10 @@ __all__ = ["CLIENT_ID_PATTERN", "GatewayMetrics", "InstrumentedEngine", "Request
            "RequestTelemetry", "current_record", "gateway_metrics", "refused_for"]
 
 GENERATION_TAGS = ("model", "protocol", "engine")
+ADAPTER_TAGS = ("model", "adapter")
+# Adapters named in series, per process: beyond, "other" (a directory of thousands of
+# adapters must not make a series each).
+MAX_ADAPTER_LABELS = 64
 # Content types of responses that stream (SSE, JSON lines): TTFT and ITL are measured for these.
 STREAM_TYPES = (b"text/event-stream", b"application/jsonlines", b"application/x-ndjson")
 # A client's id is kept when it is short and plain (it goes into headers and log lines);
@@ -78,6 +82,14 @@ class GatewayMetrics:
                                          "Tokens generated (controller-forced ones included).")
         self.forced_tokens = counter("llm_gateway_forced_tokens",
                                      "Tokens a controller appended without sampling.")
+        # LoRA adapters apart (docs/adapters.md): the series above count them as their model.
+        self.adapter_requests = counter("llm_gateway_adapter_requests", "Generations that ran "
+                                        "a LoRA adapter, by outcome.",
+                                        (*ADAPTER_TAGS, "outcome"))
+        self.adapter_tokens = counter("llm_gateway_adapter_tokens", "Tokens of generations "
+                                      "that ran a LoRA adapter (kind: prompt or generated).",
+                                      (*ADAPTER_TAGS, "kind"))
+        self.adapter_labels: set[str] = set()
         self.ttft = histogram("llm_gateway_time_to_first_token_seconds",
                               "Streamed generations: arrival to first token (seconds).",
                               LATENCY_BUCKETS_S)
@@ -287,9 +299,19 @@ class InstrumentedEngine(EngineWrapper):
                     yield event
         finally:
             self.metrics.levels.add(self.metrics.in_flight, tags, -1)
-            self._record(seen, record, tags)
+            self._record(request, seen, record, tags)
 
-    def _record(self, seen: _Generation, record: RequestRecord | None,
+    def _record_adapter(self, adapter: str, outcome: str, prompt: int, generated: int) -> None:
+        labels = self.metrics.adapter_labels
+        if adapter not in labels and len(labels) < MAX_ADAPTER_LABELS:
+            labels.add(adapter)
+        tags = {"model": self.model, "adapter": adapter if adapter in labels else "other"}
+        self.metrics.adapter_requests.inc(1, tags={**tags, "outcome": outcome})
+        for kind, count in (("prompt", prompt), ("generated", generated)):
+            if count:
+                self.metrics.adapter_tokens.inc(count, tags={**tags, "kind": kind})
+
+    def _record(self, request: GenerateRequest, seen: _Generation, record: RequestRecord | None,
                 tags: dict[str, str]) -> None:
         metrics = self.metrics
         metrics.requests.inc(1, tags={**tags, "outcome": seen.result()})
@@ -304,6 +326,9 @@ class InstrumentedEngine(EngineWrapper):
             metrics.generation_tokens.inc(generated, tags=tags)
         if forced:
             metrics.forced_tokens.inc(forced, tags=tags)
+        if request.adapter is not None:
+            self._record_adapter(request.adapter.name, seen.result(), seen.prompt_tokens,
+                                 generated)
         if seen.first_s is not None and record is not None and record.streamed:
             metrics.ttft.observe(seen.first_s - seen.started_s, tags=tags)
             if seen.gaps:

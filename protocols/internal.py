@@ -32,12 +32,15 @@ import msgspec
 from protocols.tool_markup import ToolCall, ToolDefinition
 
 __all__ = [
-    "BacktrackEvent", "Capabilities", "ChatMessage", "ChatPrompt", "ControllerSpec", "ControllerTag",
-    "DEADLOCK", "ControllerSupport", "EngineStats", "ErrorEvent", "EngineUnavailable", "ErrorKind", "Event",
-    "FinalEvent", "FinishReason", "ForkEvent", "GenerateRequest", "InvalidPrompt", "ModelInfo",
-    "ModelNotFound", "ModelRequired", "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "Sampling",
-    "SpliceSupport", "TextPrompt", "Timings", "TokenEvent", "TokenPrompt", "ToolCall", "ToolDefinition",
-    "TopLogprob", "Usage", "as_error", "decode_events", "encode_events", "splice_allowed", "splice_refusal",
+    "Adapter", "AdapterInvalid", "AdapterNotFound", "BacktrackEvent", "Capabilities", "ChatMessage",
+    "ChatPrompt",
+    "ControllerSpec", "ControllerTag", "DEADLOCK", "ControllerSupport", "EngineStats", "ErrorEvent",
+    "EngineUnavailable", "ErrorKind", "Event", "FinalEvent", "FinishReason", "ForkEvent",
+    "GenerateRequest", "InvalidPrompt", "ModelInfo", "ModelNotFound", "ModelRequired",
+    "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "Sampling", "SpliceSupport",
+    "TextPrompt", "Timings", "TokenEvent", "TokenPrompt", "ToolCall", "ToolDefinition",
+    "TopLogprob", "Usage", "as_error", "decode_events", "encode_events", "splice_allowed",
+    "splice_refusal",
 ]
 
 
@@ -136,6 +139,17 @@ class ControllerSpec(_Frozen, kw_only=True):
     arg: str = ""
 
 
+class Adapter(_Frozen, kw_only=True):
+    """A LoRA adapter of the model that runs the request (docs/adapters.md): its name and
+    its directory (PEFT's layout), resolved by the gateway so a replica needs no catalog.
+    ``version`` changes when the name is linked to a folder anew (a replica then loads it
+    again, not the weights it holds under that name)."""
+
+    name: str
+    path: str
+    version: int = 0
+
+
 class GenerateRequest(_Frozen, kw_only=True):
     request_id: str
     model: str
@@ -145,6 +159,7 @@ class GenerateRequest(_Frozen, kw_only=True):
     priority: int = 0  # lower runs first (vLLM and MindIE agree on the direction)
     timeout_s: float | None = None  # deadline, measured from when the engine receives the request
     controller: ControllerSpec | None = None
+    adapter: Adapter | None = None  # None: the base model
 
 
 # --- events -------------------------------------------------------------------------------
@@ -312,7 +327,8 @@ class Capabilities(_Frozen, kw_only=True):
     ``controllers``: "none", "mask" (per-step logit masks only) or "splice" (masks plus
     fast-forward, backtrack and fork). ``max_logprobs`` / ``max_prompt_logprobs``: the most
     alternatives per position (``None``: not reported at all). ``best_of_above_n``: whether
-    extra candidates can be drawn and ranked (vLLM v1 cannot).
+    extra candidates can be drawn and ranked (vLLM v1 cannot). ``adapters``: whether requests
+    may name a LoRA adapter (``GenerateRequest.adapter``; docs/adapters.md).
     """
 
     controllers: ControllerSupport = "none"
@@ -321,6 +337,7 @@ class Capabilities(_Frozen, kw_only=True):
     max_n: int = 128
     best_of_above_n: bool = False
     priority: bool = True
+    adapters: bool = False
 
 
 class ControllerTag(_Frozen, kw_only=True):
@@ -359,6 +376,21 @@ class ModelNotFound(LookupError):
     def __init__(self, name: str):
         super().__init__(f"The model `{name}` does not exist.")
         self.name = name
+
+
+class AdapterNotFound(ModelNotFound):
+    """An adapter named beside its base model (TGI's ``adapter_id``, SageMaker's adapter
+    header) that the model does not serve."""
+
+    def __init__(self, model: str, adapter: str):
+        LookupError.__init__(self, f"The model `{model}` has no adapter `{adapter}`.")
+        self.name = adapter
+
+
+class AdapterInvalid(ValueError):
+    """A LoRA adapter that cannot be served or loaded (not PEFT's layout, its rank over the
+    model's bound, its weights for another model, a name taken); the message is safe to show
+    a client. Protocols answer 400 in their own shape."""
 
 
 class ModelRequired(LookupError):

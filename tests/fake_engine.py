@@ -3,7 +3,8 @@
 :class:`FakeModel` is an :class:`engines.base.Engine`: tokenizer one token per character (id =
 code point); choice ``i`` emits the characters of ``reply`` (default "Hello world") cycling, each
 with logprob ``-0.1 * (k+1)``; EOS (id 0) ends it when ``reply`` runs out, unless ``ignore_eos``;
-a stop string ends the choice with ``stop_sequence``. :class:`FakeEngine` is that model behind the
+a stop string ends the choice with ``stop_sequence``. A request with a LoRA adapter replies
+``"<adapter name>: " + reply``. :class:`FakeEngine` is that model behind the
 real :class:`engines.host.EngineHost`, so admission, deadlines and accounting are the product's.
 
 Controllers: with ``controllers="splice"``, a request whose controller is ``fake-splice`` gets
@@ -62,7 +63,7 @@ class FakeModel:
     def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.name, root=f"/models/{self.name}", max_model_len=MAX_MODEL_LEN,
                          vocab_size=VOCAB, eos_token_id=0, engine="fake",
-                         capabilities=Capabilities(controllers=self.controllers),
+                         capabilities=Capabilities(controllers=self.controllers, adapters=True),
                          controllers=() if self.controllers == "none" else (
                              ControllerTag(tag="fake-splice", module_id=FAKE_SPLICE_ID),))
 
@@ -115,19 +116,20 @@ class FakeModel:
         for event in forced:
             yield event
         spliced = bool(script.get("backtrack") or script.get("fork"))
+        reply = self.reply if request.adapter is None else f"{request.adapter.name}: {self.reply}"
         text = ""
         steps = max_tokens - len(forced)
         for step in range(steps):
             if self.delay:
                 await asyncio.sleep(self.delay)
-            if step >= len(self.reply) and not s.ignore_eos:
+            if step >= len(reply) and not s.ignore_eos:
                 yield TokenEvent(index=index, token_id=0, text="", logprob=-0.01, special=True,
                                  last=not spliced)
                 for event in self._end(request, index, "eos", None, prompt_len, step + 1, script,
                                        text):
                     yield event
                 return
-            char = self.reply[step % len(self.reply)]
+            char = reply[step % len(reply)]
             text += char
             logprob = -0.1 * (step + 1)
             top = (TopLogprob(token_id=ord(char), text=char, logprob=logprob),) if k else ()

@@ -8,6 +8,7 @@ host's (``engines.host``); ``engines.vllm.translate`` turns outputs into events.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import weakref
@@ -19,14 +20,17 @@ from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
 from engines.controllers.run import ControlledRun, Segment
 from engines.embedded import resolve_model_source
+from engines.lora import AdapterInvalid
 from engines.reaper import start_reaper
 from engines.tokens import prompt_char_limit, render_prompt
+from engines.vllm.adapters import VLLMAdapters, lora_engine_args, needs_base_slot
 from engines.vllm.args import engine_args
 from engines.vllm.controller_hook import AICI_ARG
 from engines.vllm.logit_bias import BIAS_ARG, VLLM_MAX_ENTRIES, pack_bias
 from engines.vllm.logit_bias import PROCESSOR as BIAS_PROCESSOR
 from engines.vllm.translate import Translator
 from protocols.internal import (
+    Adapter,
     Capabilities,
     ErrorEvent,
     Event,
@@ -58,6 +62,9 @@ class VLLMEngine:
         self.config = config
         self.model_path = resolve_model_source(config.source)
         kwargs = engine_args(config.engine_args)
+        base_slot = config.lora is not None and needs_base_slot()
+        if config.lora is not None:  # the model's engine_args may refine vLLM's LoRA options
+            kwargs = {**lora_engine_args(config.lora, base_slot), **kwargs}
         kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or []), BIAS_PROCESSOR]
         self._runtime: AttachedRuntime | None = None  # the controllers' (None: off)
         if config.controllers is not None:
@@ -73,6 +80,8 @@ class VLLMEngine:
         self._tokenizer = self._llm.get_tokenizer()
         self._special_ids = frozenset(self._tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"
+        self._adapters = None if config.lora is None else \
+            VLLMAdapters(self._llm, config.lora, base_slot)
         model_config = self._llm.model_config
         vocab_size = model_config.get_vocab_size()
         max_logprobs = model_config.max_logprobs
@@ -85,7 +94,8 @@ class VLLMEngine:
             capabilities=Capabilities(controllers="none" if self._runtime is None else "mask",
                                       max_logprobs=max_logprobs,
                                       max_prompt_logprobs=max_logprobs,
-                                      best_of_above_n=False, priority=self._priority),
+                                      best_of_above_n=False, priority=self._priority,
+                                      adapters=self._adapters is not None),
             controllers=self._runtime.tags() if self._runtime is not None else (),
             max_prompt_chars=prompt_char_limit(self._tokenizer, model_config.max_model_len),
         )
@@ -160,6 +170,13 @@ class VLLMEngine:
         except Exception as exc:  # vLLM's range checks (VLLMValidationError, ValueError)
             yield ErrorEvent(kind="validation", message=str(exc))
             return
+        lora = None
+        if self._adapters is not None:  # (an adapter on a model without: admission refused it)
+            try:
+                lora = await self._adapters.request_for(request.adapter)
+            except AdapterInvalid as exc:
+                yield ErrorEvent(kind="validation", message=str(exc), param="model")
+                return
         request_id = request.request_id if binding is None else \
             f"{request.request_id}-s{binding['seq']}"
         # Already tokenized (render): handed to vLLM as a rendered input, which it checks
@@ -168,6 +185,7 @@ class VLLMEngine:
         # work (docs/benchmarks.md, "Placement on a fast engine, and a request's own cost in
         # the replica").
         outputs = self._llm.generate(tokens_input(prompt_ids), params, request_id,
+                                     lora_request=lora,
                                      priority=request.priority if self._priority else 0)
         translator = Translator(request, prompt_ids, self._special_ids, self._tokenizer,
                                 batch_size=self._llm.get_num_unfinished_requests)
@@ -225,16 +243,22 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
-        """Greedy completion through vLLM's own API only (vLLM tokenizes text, vLLM's defaults):
-        bypasses every gateway translation."""
+    async def reference_greedy(self, prompt: str | list[int], max_tokens: int,
+                               adapter: Adapter | None = None) -> ReferenceOutput:
+        """Greedy completion through vLLM's own API only (vLLM tokenizes text, vLLM's defaults;
+        an adapter as vLLM's own ``LoRARequest`` of a fresh id): bypasses every gateway
+        translation."""
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
         native_prompt: Any = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        lora = None if adapter is None else \
+            LoRARequest(f"reference-{adapter.name}", next(_REFERENCE_LORA_IDS), adapter.path)
         final = None
         async for output in self._llm.generate(native_prompt, params,
-                                               f"reference-{time.monotonic_ns()}"):
+                                               f"reference-{time.monotonic_ns()}",
+                                               lora_request=lora):
             final = output
         assert final is not None
         choice = final.outputs[0]
@@ -243,6 +267,11 @@ class VLLMEngine:
             logprobs=[step[t].logprob for step, t in zip(choice.logprobs, choice.token_ids,
                                                          strict=True)],
             prompt_token_ids=list(final.prompt_token_ids))
+
+
+# The oracle's adapter ids: apart from the ids requests' adapters get (VLLMAdapters counts up
+# from 1), and new each call, so the oracle never reuses weights loaded before.
+_REFERENCE_LORA_IDS = itertools.count(1 << 30)
 
 
 def _ray_stat_loggers() -> list | None:

@@ -51,7 +51,12 @@ from protocols.textgen.params import (
     parse_body,
     parse_parameters,
 )
-from protocols.textgen.serving import STREAM_HEADERS, response_meta, start_generation
+from protocols.textgen.serving import (
+    STREAM_HEADERS,
+    response_meta,
+    start_generation,
+    with_adapter,
+)
 
 __all__ = ["LMIOptions", "router"]
 
@@ -70,6 +75,7 @@ class LMIOptions(msgspec.Struct, frozen=True, kw_only=True):
     # Sequences one request may ask for (inputs times n), over every protocol.
     max_fanout: int = 256
 
+ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
 _NO_PAYLOAD = "Input parsing failed: invalid payload. must contain prompt, inputs, or messages"
 
 
@@ -115,15 +121,22 @@ async def _invoke(request: Request, body: Any, name: str | None):
     name, engine = _resolve(request, name)
     if not isinstance(body, dict):
         raise payload_error(_NO_PAYLOAD)
-    if request.headers.get("x-amzn-sagemaker-adapter-identifier"):
-        raise payload_error("LoRA adapters are not served here "
-                            "(X-Amzn-SageMaker-Adapter-Identifier).")
+    # SageMaker's way to pick an adapter (inference components); LMI's own is the body's
+    # `adapters`, read with the parameters.
+    adapter = request.headers.get(ADAPTER_HEADER) or None
+    if adapter is not None:
+        try:
+            with_adapter(request.app.state.registry, name, engine, adapter, ADAPTER_HEADER)
+        except GenerationFailed as exc:
+            raise frontend_error(404, "ModelNotFoundException", exc.event.message) from None
     if "inputs" in body:
-        return await _lmi(request, body, name, engine)
+        return await _lmi(request, body, name, engine, adapter)
+    # OpenAI-shaped bodies name the adapter as their model (docs/adapters.md).
+    model = adapter or name
     if "messages" in body:
-        return await _openai(request, openai_serving.chat_completions, {**body, "model": name})
+        return await _openai(request, openai_serving.chat_completions, {**body, "model": model})
     if "prompt" in body:
-        return await _openai(request, openai_serving.completions, {**body, "model": name})
+        return await _openai(request, openai_serving.completions, {**body, "model": model})
     raise payload_error(_NO_PAYLOAD)
 
 
@@ -147,15 +160,20 @@ def _wants_sse(request: Request, default_formatter: str) -> bool:
     return default_formatter == "sse"
 
 
-async def _lmi(request: Request, body: dict, name: str, engine: EngineClient):
+async def _lmi(request: Request, body: dict, name: str, engine: EngineClient,
+               adapter: str | None):
     options = options_of(request, LMIOptions)
     compat = options.tgi_compat
     dynamic = isinstance(body.get("inputs"), list)
     try:
         inputs, params, stream = parse_body(body, allow_list=True)
         gen = parse_parameters(params, LMI_TGI_COMPAT if compat else LMI, stream=bool(stream))
+        name, engine = with_adapter(request.app.state.registry, name, engine,
+                                    adapter or gen.adapter, "adapters")
     except InvalidParameters as exc:
         raise (dynamic_error if dynamic else payload_error)(str(exc)) from None
+    except GenerationFailed as exc:
+        raise frontend_error(404, "ModelNotFoundException", exc.event.message) from None
     if isinstance(inputs, list):
         per_input = max(gen.sampling.n, gen.sampling.best_of or 1)
         if len(inputs) * per_input > options.max_fanout:

@@ -47,6 +47,12 @@ async def _start(request: Request, model: str, stream: bool):
     except BodyError as exc:
         raise EnvelopeError(422, f"Invalid JSON body: {exc}", "validation") from None
     name, engine = _resolve(request, model)
+    adapter = _adapter_id(body)
+    if adapter is not None:  # or the adapter's name in the path, as a model's
+        try:
+            name, engine = request.app.state.registry.resolve_adapter(name, adapter)
+        except LookupError as exc:
+            raise EnvelopeError(404, str(exc), NOT_FOUND) from None
     info = await request.app.state.registry.info(name)
     internal, options = to_request(body, name, info.vocab_size, uuid.uuid4().hex[:16],
                                    stream=stream)
@@ -56,6 +62,20 @@ async def _start(request: Request, model: str, stream: bool):
     meta = ResponseMeta(id=options.id, model=model, details=options.details,
                         full_text=options_of(request, MindIEOptions).full_text)
     return meta, peeked
+
+
+def _adapter_id(body: object) -> str | None:
+    """``parameters.adapter_id`` (or top-level, as MindIE's other fields): one LoRA adapter of
+    the model in the path (docs/adapters.md)."""
+    if not isinstance(body, dict):
+        return None
+    params = body.get("parameters")
+    value = params.get("adapter_id") if isinstance(params, dict) else None
+    value = body.get("adapter_id") if value is None else value
+    if value is not None and (not isinstance(value, str) or not value):
+        raise EnvelopeError(422, f"adapter_id must name one LoRA adapter, got {value!r}.",
+                            "validation")
+    return value
 
 
 @router.post("/v2/models/{model}/generate")

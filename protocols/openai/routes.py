@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
-from protocols.openai import serving
+from protocols.openai import adapters, serving
 from protocols.spec import options_of
 
 __all__ = ["OpenAIOptions", "router"]
@@ -32,6 +32,18 @@ async def list_models(request: Request) -> dict:
 @router.get("/v1/models/{model:path}")
 async def get_model(request: Request, model: str) -> dict:
     return await serving.get_model(request.app.state.registry, model)
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(adapters.load_adapter(await request.body(),
+                                                   request.app.state.registry))
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(adapters.unload_adapter(await request.body(),
+                                                     request.app.state.registry))
 
 
 @router.post("/v1/completions")

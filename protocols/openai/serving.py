@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protocols.contract import EngineClient, ModelDirectory
 from protocols.internal import ChatPrompt, GenerateRequest, ModelNotFound, ModelRequired, TextPrompt
+from protocols.openai.adapters import adapter_cards
 from protocols.openai.encode import (
     ChunkMeta,
     chat_chunks,
@@ -66,14 +67,15 @@ def _resolve(models: ModelDirectory, name: str | None) -> tuple[str, EngineClien
 
 async def _model_card(models: ModelDirectory, name: str) -> dict:
     info = await models.info(name)
+    parent = models.parent(name)
     return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "llm-gateway",
-            "root": info.root, "parent": None, "max_model_len": info.max_model_len,
-            "permission": []}
+            "root": name if parent else info.root, "parent": parent,
+            "max_model_len": info.max_model_len, "permission": []}
 
 
 async def list_models(models: ModelDirectory) -> dict:
     cards = await asyncio.gather(*(_model_card(models, n) for n in models.names()))
-    return {"object": "list", "data": list(cards)}
+    return {"object": "list", "data": [*cards, *adapter_cards(models)]}
 
 
 async def get_model(models: ModelDirectory, model: str) -> dict:

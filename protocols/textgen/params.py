@@ -87,6 +87,7 @@ class Generation:
     seed: int | None  # reported back (TGI details.seed)
     truncate: int | None  # keep only the last N prompt tokens
     controller: ControllerSpec | None = None
+    adapter: str | None = None  # a LoRA adapter of the model (docs/adapters.md)
 
 
 def decode_body(data: bytes) -> Any:
@@ -194,9 +195,6 @@ def _token_ids(p: dict) -> tuple[int, ...]:
 def _refuse_unsupported(p: dict, dialect: Dialect) -> None:
     if _flag(p, "watermark"):
         raise InvalidParameters("`watermark` is not supported by this server.")
-    for key in ("adapter_id", "adapters"):
-        if p.get(key) is not None:
-            raise InvalidParameters(f"LoRA adapters are not served here (`{key}`: {p[key]!r}).")
     typical_p = _number(p, "typical_p", 0.0, 1.0, low_open=True, high_open=dialect.strict_ranges)
     if typical_p is not None and typical_p != 1.0:
         raise InvalidParameters("`typical_p` is not supported by the vLLM engine; leave it unset.")
@@ -237,7 +235,19 @@ def parse_parameters(params: dict, dialect: Dialect, *, stream: bool) -> Generat
         details=dialect.default_details if details is None else details,
         return_full_text=bool(_flag(p, "return_full_text")), prefill=prefill,
         top_n_tokens=top_n, seed=seed, truncate=truncate, controller=_controller(p),
+        adapter=_adapter(p),
     )
+
+
+def _adapter(p: dict) -> str | None:
+    """TGI's ``adapter_id``, LMI's ``adapters`` (one name: a request here has one input)."""
+    key, value = _first(p, "adapter_id", "adapters")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidParameters(f"`{key}` must name one LoRA adapter (a non-empty string), "
+                                f"got {value!r}.")
+    return value
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import uuid
 
 from protocols.contract import EngineClient, ModelDirectory
 from protocols.internal import (
+    AdapterNotFound,
     EngineUnavailable,
     ErrorEvent,
     GenerateRequest,
@@ -18,11 +19,24 @@ from protocols.streams import Peeked, peek
 from protocols.textgen.encode import GenerationFailed, ResponseMeta
 from protocols.textgen.params import Generation
 
-__all__ = ["STREAM_HEADERS", "response_meta", "start_generation"]
+__all__ = ["STREAM_HEADERS", "response_meta", "start_generation", "with_adapter"]
 
 log = logging.getLogger(__name__)
 
 STREAM_HEADERS = {"Cache-Control": "no-cache"}
+
+
+def with_adapter(models: ModelDirectory, model: str, engine: EngineClient, adapter: str | None,
+                 param: str = "adapter_id") -> tuple[str, EngineClient]:
+    """Model ``model`` running LoRA adapter ``adapter`` (None: as it is). Raises
+    :class:`GenerationFailed` (not found) when the model has no such adapter."""
+    if adapter is None:
+        return model, engine
+    try:
+        return models.resolve_adapter(model, adapter)
+    except AdapterNotFound as exc:
+        raise GenerationFailed(ErrorEvent(kind="not_found", message=str(exc),
+                                          param=param)) from None
 
 
 async def start_generation(engine: EngineClient, model: str, inputs: str,

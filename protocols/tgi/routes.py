@@ -35,7 +35,12 @@ from protocols.textgen.params import (
     parse_body,
     parse_parameters,
 )
-from protocols.textgen.serving import STREAM_HEADERS, response_meta, start_generation
+from protocols.textgen.serving import (
+    STREAM_HEADERS,
+    response_meta,
+    start_generation,
+    with_adapter,
+)
 from protocols.tgi.errors import from_event, invalid
 
 __all__ = ["TGIOptions", "router"]
@@ -78,6 +83,7 @@ async def _start(request: Request, stream: bool | None
         raise invalid(str(exc)) from None
     assert isinstance(inputs, str)
     try:
+        name, engine = with_adapter(request.app.state.registry, name, engine, gen.adapter)
         meta = await response_meta(request.app.state.registry, name, inputs, gen)
         peeked = await start_generation(engine, name, inputs, gen)
     except GenerationFailed as exc:

@@ -348,11 +348,12 @@ def test_tolerant_reader(http, native):
         assert _lmi(http, body) == expected, body
 
 
-def test_lora_adapter_header_is_refused(http):
+def test_an_adapter_the_model_does_not_serve_is_a_404(http):
+    """The session's model has no `lora` entry (tests/e2e/test_adapters_e2e.py serves some)."""
     response = http.post("/invocations", json={"inputs": PROMPT},
                          headers={"X-Amzn-SageMaker-Adapter-Identifier": "my-adapter"})
-    assert response.status_code == 424, response.text
-    assert response.json()["code"] == 424
+    assert response.status_code == 404, response.text
+    assert response.json()["code"] == 404
 
 
 def test_top_n_tokens_reports_alternatives(http):

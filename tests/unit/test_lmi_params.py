@@ -123,7 +123,7 @@ def test_beam_only_knobs_accepted_without_beams():
     ({"watermark": True}, "watermark"), ({"grammar": {"type": "xml", "value": "x"}}, "grammar"),
     ({"grammar": {"type": "regex"}}, "grammar"), ({"controller": 5}, "controller"),
     ({"controller_arg": "x"}, "controller"),
-    ({"adapters": "lora1"}, "adapters"), ({"truncate": 0}, "truncate"),
+    ({"adapters": ["a", "b"]}, "adapters"), ({"truncate": 0}, "truncate"),
     ({"n": 2}, "sampling"), ({"best_of": 2, "do_sample": False}, "sampling"),
     ({"prompt_logprobs": 2}, "prompt_logprobs"),
 ])

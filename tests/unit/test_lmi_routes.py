@@ -100,12 +100,13 @@ async def test_payload_errors_are_424(client, body, fragment):
     assert fragment in r.json()["error"]
 
 
-async def test_invalid_json_and_adapters_are_424(client):
+async def test_invalid_json_is_424_and_an_adapter_the_model_lacks_404(client):
     r = await client.post("/invocations", content=b"{nope")
     assert r.status_code == 424 and "invalid JSON" in r.json()["error"]
     r = await client.post("/invocations", json=BODY,
                           headers={"X-Amzn-SageMaker-Adapter-Identifier": "lora"})
-    assert r.status_code == 424 and "LoRA" in r.json()["error"]
+    assert r.status_code == 404 and r.json()["type"] == "ModelNotFoundException"
+    assert "has no adapter `lora`" in r.json()["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,0 +1,72 @@
+"""LoRA adapters in OpenAI's model listing, and vLLM's routes that load and unload them at
+runtime (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``; docs/adapters.md). No HTTP
+here: the routes hand the body over and wrap the result.
+
+Beyond vLLM's bodies, ``model`` names the model an adapter is for; it may be left out while
+one model has adapters (vLLM serves one model). ``load_inplace`` is vLLM's way to swap the
+weights under a name; here a name is unloaded and loaded again instead (the replicas then load
+the new folder, whatever they held under that name).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from protocols.contract import ModelDirectory
+from protocols.internal import AdapterInvalid, ModelNotFound, ModelRequired
+from protocols.openai.errors import OpenAIError
+from protocols.openai.translate import decode_body
+
+__all__ = ["adapter_cards", "load_adapter", "unload_adapter"]
+
+
+class LoadAdapter(msgspec.Struct, frozen=True, kw_only=True):
+    lora_name: str
+    lora_path: str
+    model: str | None = None
+    load_inplace: bool = False
+
+
+class UnloadAdapter(msgspec.Struct, frozen=True, kw_only=True):
+    lora_name: str
+    model: str | None = None
+    lora_int_id: int | None = None  # vLLM's; names are what identify adapters here
+
+
+def adapter_cards(models: ModelDirectory) -> list[dict]:
+    """``/v1/models`` entries of the adapters, as vLLM lists them (``parent``: the model)."""
+    created = int(time.time())
+    return [{"id": name, "object": "model", "created": created, "owned_by": "llm-gateway",
+             "root": name, "parent": parent, "permission": []}
+            for name, parent in models.adapters()]
+
+
+def load_adapter(raw: bytes, models: ModelDirectory) -> str:
+    body = decode_body(raw, LoadAdapter)
+    try:
+        if body.load_inplace:
+            models.unload_adapter(body.model, body.lora_name)
+        models.load_adapter(body.model, body.lora_name, body.lora_path)
+    except AdapterInvalid as exc:
+        raise OpenAIError(400, str(exc), "lora_name") from None
+    except (ModelNotFound, ModelRequired) as exc:
+        raise OpenAIError(404 if isinstance(exc, ModelNotFound) else 400, str(exc),
+                          "model") from None
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+def unload_adapter(raw: bytes, models: ModelDirectory) -> str:
+    body = decode_body(raw, UnloadAdapter)
+    try:
+        removed = models.unload_adapter(body.model, body.lora_name)
+    except AdapterInvalid as exc:
+        raise OpenAIError(400, str(exc), "model") from None
+    except (ModelNotFound, ModelRequired) as exc:
+        raise OpenAIError(404 if isinstance(exc, ModelNotFound) else 400, str(exc),
+                          "model") from None
+    if not removed:
+        raise OpenAIError(404, f"The lora adapter '{body.lora_name}' cannot be found (only "
+                          "adapters loaded at runtime can be unloaded).", "lora_name")
+    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
