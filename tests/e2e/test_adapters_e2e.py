@@ -124,6 +124,8 @@ def test_the_sdks_and_each_protocols_own_way_to_name_an_adapter(lora_setup, orac
 
 
 def test_chat_sdks_on_an_adapter_match_vllm_on_the_rendered_prompt(lora_setup, oracle):
+    """OpenAI chat (whole and streamed), the Responses API and Anthropic's Messages: one
+    conversation on adapter a1, vLLM's own output for its rendered ids the oracle."""
     import anthropic
     from openai import OpenAI
 
@@ -140,6 +142,10 @@ def test_chat_sdks_on_an_adapter_match_vllm_on_the_rendered_prompt(lora_setup, o
         model="a1", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True)
         if c.choices)
     assert streamed == expected
+    openai_client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    response = openai_client.responses.create(model="a1", input=messages,
+                                              max_output_tokens=MAX_TOKENS, temperature=0)
+    assert response.model == "a1" and response.output_text == expected
     claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
     reply = claude.messages.create(model="a1", messages=messages, max_tokens=MAX_TOKENS,
                                    extra_body={"temperature": 0})
