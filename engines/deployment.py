@@ -79,8 +79,7 @@ class EngineReplica:
     def note_request(self, request: GenerateRequest) -> None:
         """A generation starts here: recorded for prefix routing (docs/routing.md)."""
         if self.recent_prompts is not None:
-            adapter = request.adapter.name if request.adapter is not None else ""
-            self.recent_prompts.note(request.prompt, adapter)
+            self.recent_prompts.note(request)
 
     def record_routing_stats(self) -> dict[str, list[int]]:
         """Serve's controller collects this for the model's routers (``engines.prefix_router``)."""

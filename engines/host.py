@@ -115,8 +115,6 @@ class EngineHost:
                                adapter: Adapter | None = None) -> ReferenceOutput:
         if not isinstance(self.engine, ReferenceEngine):
             raise NotImplementedError(f"the {self.info.engine} engine has no reference decoder")
-        if adapter is None:
-            return await self.engine.reference_greedy(prompt, max_tokens)
         return await self.engine.reference_greedy(prompt, max_tokens, adapter)
 
     async def _admit(self, request: GenerateRequest) -> Admitted | ErrorEvent:

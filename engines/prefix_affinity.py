@@ -26,10 +26,10 @@ from typing import Literal
 
 import msgspec
 
-from protocols.internal import ChatPrompt, Prompt, TextPrompt
+from protocols.internal import ChatPrompt, GenerateRequest, Prompt, TextPrompt
 
 __all__ = ["BLOCK_CHARS", "MAX_BLOCKS", "Pick", "PrefixAffinity", "RecentPrompts",
-           "chat_text", "prefix_blocks", "prompt_text"]
+           "chat_text", "prefix_blocks", "prompt_text", "request_keys"]
 
 # 128 characters: about 32 tokens of English, two of vLLM's 16-token KV blocks. Smaller blocks
 # tell prompts apart more finely but cost a hash each.
@@ -74,6 +74,12 @@ def prefix_blocks(text: str, adapter: str = "") -> tuple[int, ...]:
         hasher.update(text[start:start + BLOCK_CHARS].encode("utf-8", "surrogatepass"))
         keys.append(int.from_bytes(hasher.copy().digest(), "little"))
     return tuple(keys)
+
+
+def request_keys(request: GenerateRequest) -> tuple[int, ...]:
+    """A generation's prefix keys: its prompt's, under its LoRA adapter if it names one."""
+    adapter = request.adapter.name if request.adapter is not None else ""
+    return prefix_blocks(prompt_text(request.prompt), adapter)
 
 
 class Pick(msgspec.Struct, frozen=True):
@@ -152,13 +158,13 @@ class RecentPrompts:
     def __init__(self, capacity: int = 2048):
         self._keys: deque[int] = deque(maxlen=capacity)
 
-    def note(self, prompt: Prompt, adapter: str = "") -> None:
-        """``adapter``: the request's LoRA adapter, whose own key is noted too (other routers
-        learn that this replica runs it)."""
-        blocks = prefix_blocks(prompt_text(prompt), adapter)
+    def note(self, request: GenerateRequest) -> None:
+        """The last key of ``request``'s prompt, and the key of its LoRA adapter if it names
+        one (other routers learn that this replica runs it)."""
+        blocks = request_keys(request)
         if blocks:
             self._keys.append(blocks[-1])
-        if adapter and len(blocks) > 1:
+        if request.adapter is not None and len(blocks) > 1:
             self._keys.append(blocks[0])
 
     def keys(self) -> list[int]:

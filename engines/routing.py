@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from engines.config import ModelConfig
-from engines.prefix_affinity import prefix_blocks, prompt_text
+from engines.prefix_affinity import request_keys
 from protocols.internal import GenerateRequest
 
 __all__ = ["ROUTING_STATS_KEY", "ROUTING_STATS_PERIOD_S", "RouteQuery", "request_blocks",
@@ -44,8 +44,7 @@ def request_blocks(args: Sequence[Any]) -> tuple[tuple[int, ...], bool]:
     if isinstance(first, RouteQuery):
         return first.blocks, True
     if isinstance(first, GenerateRequest):
-        adapter = first.adapter.name if first.adapter is not None else ""
-        return prefix_blocks(prompt_text(first.prompt), adapter), False
+        return request_keys(first), False
     return (), False
 
 

@@ -31,6 +31,7 @@ from engines.pipeline.origin import Origin
 from engines.pipeline.stages import RayStages, Stages
 from engines.tokens import prompt_char_limit, render_prompt
 from protocols.internal import (
+    Adapter,
     Capabilities,
     ErrorEvent,
     Event,
@@ -279,9 +280,13 @@ class PipelineEngine:
 
     # --- oracle ---------------------------------------------------------------------------
 
-    async def reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:
+    async def reference_greedy(self, prompt: str | list[int], max_tokens: int,
+                               adapter: Adapter | None = None) -> ReferenceOutput:
         """Greedy decoding by the unsplit HF model (``generate(do_sample=False)``), loaded on
-        first use: the independent oracle of parity tests."""
+        first use: the independent oracle of parity tests. No adapters (the kind serves
+        none)."""
+        if adapter is not None:
+            raise NotImplementedError("the pipeline engine serves no LoRA adapters")
         return await self.origin.run(self._reference_greedy, prompt, max_tokens)
 
     def _reference_greedy(self, prompt: str | list[int], max_tokens: int) -> ReferenceOutput:

@@ -75,20 +75,19 @@ class VLLMAdapters:
         self._shapes = model_shapes(llm.model_config.hf_config)
         self._base_slot = base_slot and self._shapes is not None
         self._base: Any = None  # the zero adapter's LoRARequest, once loaded
-        self._loaded: dict[str, tuple[Adapter, int]] = {}  # name -> (adapter, id)
-        self._loading: dict[Adapter | None, asyncio.Task] = {}
+        self._base_loading: asyncio.Task | None = None
+        self._loaded: dict[str, tuple[Adapter, Any]] = {}  # name -> (adapter, LoRARequest)
+        self._loading: dict[Adapter, asyncio.Task] = {}
         self._next_id = 1
 
     async def request_for(self, adapter: Adapter | None):
         """The ``LoRARequest`` of ``adapter``, loaded; :class:`AdapterInvalid` if it cannot be.
         None (the base model): None, or the zero adapter where needed (module docstring)."""
-        from vllm.lora.request import LoRARequest
-
         if adapter is None:
             return (self._base or await self._load_base()) if self._base_slot else None
         known = self._loaded.get(adapter.name)
         if known is not None and known[0] == adapter:
-            return LoRARequest(adapter.name, known[1], adapter.path)
+            return known[1]
         task = self._loading.get(adapter)
         if task is None:  # one load per adapter, however many requests wait for it
             task = self._loading[adapter] = asyncio.ensure_future(self._load(adapter))
@@ -97,17 +96,14 @@ class VLLMAdapters:
 
     async def _load_base(self):
         """The zero adapter, written and loaded (once)."""
-        from vllm.lora.request import LoRARequest
-
-        task = self._loading.get(None)
-        if task is None:
-            task = self._loading[None] = asyncio.ensure_future(self._add_base())
+        if self._base_loading is None:
+            self._base_loading = asyncio.ensure_future(self._add_base())
         try:
-            self._base = await asyncio.shield(task)
+            self._base = await asyncio.shield(self._base_loading)
         except Exception as exc:  # base requests then run as vLLM runs them
             log.warning("the zero adapter for base requests did not load: %r", exc)
             self._base_slot = False
-        return self._base if isinstance(self._base, LoRARequest) else None
+        return self._base
 
     async def _add_base(self):
         from vllm.lora.request import LoRARequest
@@ -140,7 +136,7 @@ class VLLMAdapters:
             raise AdapterInvalid(f"adapter `{adapter.name}` does not load on this model (its "
                                  "weights do not fit it: another base model?)") from None
         previous = self._loaded.get(adapter.name)
-        self._loaded[adapter.name] = (adapter, lora_id)
+        self._loaded[adapter.name] = (adapter, request)
         if previous is not None:
-            await self._llm.remove_lora(previous[1])
+            await self._llm.remove_lora(previous[1].lora_int_id)
         return request

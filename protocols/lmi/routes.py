@@ -92,6 +92,15 @@ def _resolve(request: Request, name: Any) -> tuple[str, EngineClient]:
                              "Parameter model_name is required.") from None
 
 
+def _with_adapter(request: Request, name: str, engine: EngineClient, adapter: str | None,
+                  param: str) -> tuple[str, EngineClient]:
+    """Model ``name`` running ``adapter``; one it lacks is LMI's 404 (as a model not found)."""
+    try:
+        return with_adapter(request.app.state.registry, name, engine, adapter, param)
+    except GenerationFailed as exc:
+        raise frontend_error(404, "ModelNotFoundException", exc.event.message) from None
+
+
 async def _decode(request: Request) -> Any:
     try:
         return decode_body(await request.body())
@@ -124,13 +133,10 @@ async def _invoke(request: Request, body: Any, name: str | None):
     # SageMaker's way to pick an adapter (inference components); LMI's own is the body's
     # `adapters`, read with the parameters.
     adapter = request.headers.get(ADAPTER_HEADER) or None
-    if adapter is not None:
-        try:
-            with_adapter(request.app.state.registry, name, engine, adapter, ADAPTER_HEADER)
-        except GenerationFailed as exc:
-            raise frontend_error(404, "ModelNotFoundException", exc.event.message) from None
+    # The model must have it (whatever else the registry serves), checked before the body.
+    name, engine = _with_adapter(request, name, engine, adapter, ADAPTER_HEADER)
     if "inputs" in body:
-        return await _lmi(request, body, name, engine, adapter)
+        return await _lmi(request, body, name, engine, picked=adapter is not None)
     # OpenAI-shaped bodies name the adapter as their model (docs/adapters.md).
     model = adapter or name
     if "messages" in body:
@@ -160,20 +166,18 @@ def _wants_sse(request: Request, default_formatter: str) -> bool:
     return default_formatter == "sse"
 
 
-async def _lmi(request: Request, body: dict, name: str, engine: EngineClient,
-               adapter: str | None):
+async def _lmi(request: Request, body: dict, name: str, engine: EngineClient, picked: bool):
+    """``picked``: the header already chose ``engine``'s adapter (it wins over the body's)."""
     options = options_of(request, LMIOptions)
     compat = options.tgi_compat
     dynamic = isinstance(body.get("inputs"), list)
     try:
         inputs, params, stream = parse_body(body, allow_list=True)
         gen = parse_parameters(params, LMI_TGI_COMPAT if compat else LMI, stream=bool(stream))
-        name, engine = with_adapter(request.app.state.registry, name, engine,
-                                    adapter or gen.adapter, "adapters")
     except InvalidParameters as exc:
         raise (dynamic_error if dynamic else payload_error)(str(exc)) from None
-    except GenerationFailed as exc:
-        raise frontend_error(404, "ModelNotFoundException", exc.event.message) from None
+    if not picked:
+        name, engine = _with_adapter(request, name, engine, gen.adapter, "adapters")
     if isinstance(inputs, list):
         per_input = max(gen.sampling.n, gen.sampling.best_of or 1)
         if len(inputs) * per_input > options.max_fanout:

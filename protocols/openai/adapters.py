@@ -11,6 +11,8 @@ the new folder, whatever they held under that name).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 
@@ -20,6 +22,8 @@ from protocols.openai.errors import OpenAIError
 from protocols.openai.translate import decode_body
 
 __all__ = ["adapter_cards", "load_adapter", "unload_adapter"]
+
+T = TypeVar("T")
 
 
 class LoadAdapter(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +39,19 @@ class UnloadAdapter(msgspec.Struct, frozen=True, kw_only=True):
     lora_int_id: int | None = None  # vLLM's; names are what identify adapters here
 
 
+def _in_shape(call: Callable[[], T], param: str) -> T:
+    """``call()``, the model directory's refusals as OpenAI's errors (``param``: what an
+    invalid adapter is blamed on)."""
+    try:
+        return call()
+    except AdapterInvalid as exc:
+        raise OpenAIError(400, str(exc), param) from None
+    except ModelNotFound as exc:
+        raise OpenAIError(404, str(exc), "model") from None
+    except ModelRequired as exc:
+        raise OpenAIError(400, str(exc), "model") from None
+
+
 def adapter_cards(models: ModelDirectory) -> list[dict]:
     """``/v1/models`` entries of the adapters, as vLLM lists them (``parent``: the model)."""
     created = int(time.time())
@@ -45,27 +62,19 @@ def adapter_cards(models: ModelDirectory) -> list[dict]:
 
 def load_adapter(raw: bytes, models: ModelDirectory) -> str:
     body = decode_body(raw, LoadAdapter)
-    try:
+
+    def load() -> None:
         if body.load_inplace:
             models.unload_adapter(body.model, body.lora_name)
         models.load_adapter(body.model, body.lora_name, body.lora_path)
-    except AdapterInvalid as exc:
-        raise OpenAIError(400, str(exc), "lora_name") from None
-    except (ModelNotFound, ModelRequired) as exc:
-        raise OpenAIError(404 if isinstance(exc, ModelNotFound) else 400, str(exc),
-                          "model") from None
+
+    _in_shape(load, "lora_name")
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
 def unload_adapter(raw: bytes, models: ModelDirectory) -> str:
     body = decode_body(raw, UnloadAdapter)
-    try:
-        removed = models.unload_adapter(body.model, body.lora_name)
-    except AdapterInvalid as exc:
-        raise OpenAIError(400, str(exc), "model") from None
-    except (ModelNotFound, ModelRequired) as exc:
-        raise OpenAIError(404 if isinstance(exc, ModelNotFound) else 400, str(exc),
-                          "model") from None
+    removed = _in_shape(lambda: models.unload_adapter(body.model, body.lora_name), "model")
     if not removed:
         raise OpenAIError(404, f"The lora adapter '{body.lora_name}' cannot be found (only "
                           "adapters loaded at runtime can be unloaded).", "lora_name")

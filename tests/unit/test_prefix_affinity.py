@@ -26,7 +26,7 @@ from engines.prefix_affinity import (
     prompt_text,
 )
 from gateway.ingress_router import body_blocks
-from protocols.internal import ChatMessage, ChatPrompt, TextPrompt, TokenPrompt
+from protocols.internal import ChatMessage, ChatPrompt, GenerateRequest, TextPrompt, TokenPrompt
 
 SYSTEM = "You are a careful assistant. " * 20  # about 560 characters: four blocks
 
@@ -88,7 +88,7 @@ def test_dead_replicas_are_not_picked_and_published_records_are_learnt():
     assert (pick.replica, pick.reason) == ("r1", "load")
     # Another router sent the conversation to r2; r2's own record says so.
     recent = RecentPrompts()
-    recent.note(_chat("hello " * 50))
+    recent.note(GenerateRequest(request_id="r", model="m", prompt=_chat("hello " * 50)))
     affinity.learn({"r2": recent.keys(), "r1": []})
     follow = _blocks(_chat("hello " * 50, "hi!", "and then?" * 20))
     assert affinity.pick(follow, {"r1": 0, "r2": 1}).replica == "r2"
