@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.config import ModelConfig
 from gateway.config import GatewayConfig, load_config
-from gateway.keys import KeyAuth, KeyScopedStore, MeteredEngine
+from gateway.keys import KeyAuth, KeyScopedStore
 from gateway.limits import Admission, BodySizeLimit, CapacityHeader, route_path
 from gateway.local_engine import CloseStreamsWithRequest
 from gateway.metrics import MetricsMiddleware, render_metrics
@@ -39,6 +39,9 @@ from gateway.telemetry import (
     current_record,
     gateway_metrics,
 )
+from gateway.tenants.admin import tenancy_router
+from gateway.tenants.meter import LedgerPort, MeteredEngine, TenantMeter
+from gateway.tenants.shared import LocalLedger
 from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
 from protocols.internal import EngineUnavailable, InvalidPrompt
@@ -58,16 +61,19 @@ VERSION = "0.1.0"
 
 def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
                metrics: GatewayMetrics | None = None, answer_ids: bool = True,
-               response_store: ResponseStore | None = None) -> FastAPI:
+               response_store: ResponseStore | None = None,
+               ledger: LedgerPort | None = None) -> FastAPI:
     """``metrics``: where the request series go (default: Ray's metrics system);
     ``answer_ids``: add ``x-request-id`` to responses (Serve adds it to a replica's);
     ``response_store``: the Responses API's stored responses (default: in this process; a
-    Serve replica's are the cluster's, ``serve_asgi_app``)."""
+    Serve replica's are the cluster's, ``serve_asgi_app``); ``ledger``: the tenants' limits
+    and usage (default: in this process; the cluster's in a Serve replica)."""
     config = config or GatewayConfig()
     metrics = metrics or gateway_metrics()
-    keys = config.keys()
-    if any(k.tokens_per_min for k in keys):
-        registry = registry.with_engines(lambda _, engine: MeteredEngine(engine))
+    meter = TenantMeter(ledger or LocalLedger()) if config.tenancy else None
+    if meter is not None:
+        registry = registry.with_engines(
+            lambda name, engine: MeteredEngine(engine, model=name, meter=meter))
     kinds = {model.name: model.engine for model in config.models}
     registry = registry.with_engines(lambda name, engine: InstrumentedEngine(
         engine, model=name, engine=kinds.get(name, "unknown"), metrics=metrics))
@@ -75,19 +81,22 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     errors = ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
+    app.state.meter = meter
     size = config.stored_responses_bytes
     app.state.response_store = KeyScopedStore(response_store or MemoryStore(size)) if size \
         else None
     # Each protocol's own options, built once (protocols.spec.options_of reads them).
     app.state.protocol_options = {spec.options: config.options_for(spec.options)
                                   for spec in specs if spec.options is not None}
-    _add_middlewares(app, config, errors, _PUBLIC_PATHS.union(*(s.public_paths for s in specs)))
+    _add_middlewares(app, config, errors, _PUBLIC_PATHS.union(*(s.public_paths for s in specs)),
+                     meter)
     owners = {route.endpoint: spec.name for spec in specs for router in spec.routers
               for route in router.routes}
     # Outermost: every response (refusals by the other middlewares too) gets its request id.
     app.add_middleware(RequestTelemetry, metrics=metrics, owners=owners, answer_ids=answer_ids)
     _add_error_handlers(app, errors)
     _add_own_routes(app, registry, specs)
+    app.include_router(tenancy_router(frozenset(k.name for k in config.keys() if k.name)))
     for spec in specs:
         for router in spec.routers:
             app.include_router(router)
@@ -95,16 +104,17 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
 
 
 def _add_middlewares(app: FastAPI, config: GatewayConfig, errors: ErrorShapes,
-                     public: frozenset[str]) -> None:
+                     public: frozenset[str], meter: TenantMeter | None) -> None:
     """Body bound, metrics, admission and (with keys) auth; the last added runs first."""
     app.add_middleware(CloseStreamsWithRequest)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(MetricsMiddleware)
     app.add_middleware(Admission, max_inflight=config.max_concurrent_requests,
                        refuse=errors.response, exempt=public)
-    keys = config.keys()
-    if keys:
-        app.add_middleware(KeyAuth, keys=keys, refuse=errors.response, public=public)
+    if meter is not None:
+        app.add_middleware(KeyAuth, keys=config.keys(), refuse=errors.response, public=public,
+                           meter=meter, admin_key=config.admin_key,
+                           protocol_of=lambda path: getattr(errors.owner(path), "name", None))
 
 
 def _add_error_handlers(app: FastAPI, errors: ErrorShapes) -> None:
@@ -224,9 +234,11 @@ def serve_asgi_app(registry: ModelRegistry, config: GatewayConfig,
     """The app a Serve replica serves (the gateway's ingress, a model's own application):
     ``capacity``, the generations it admits, is told to Serve's proxy in a header."""
     from gateway.tag_store import SharedTagStore
+    from gateway.tenants.shared import RayLedger
 
     stored = RayResponseStore(config.stored_responses_bytes)
-    app = create_app(registry, config, answer_ids=False, response_store=stored)
+    ledger = RayLedger(config.state_path) if config.tenancy else None
+    app = create_app(registry, config, answer_ids=False, response_store=stored, ledger=ledger)
     # For Serve's proxy (gateway.proxy), which takes it off; HAProxy would pass it on.
     if capacity is not None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         app.add_middleware(CapacityHeader, capacity=capacity)

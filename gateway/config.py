@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -30,6 +31,12 @@ with rate limits). ``ingress_num_cpus``
     # Several keys, each with its own optional rate limits (gateway.keys.ApiKey); api_key, if
     # set, is one more key without limits.
     api_keys: list[ApiKey] = []
+    # The key of the admin API (/gateway/admin/: keys made and deleted at runtime, every key's
+    # usage; docs/tenancy.md). Not accepted on any other route.
+    admin_key: str | None = None
+    # Where the cluster's ledger (usage, budgets, admin-made keys) and the Batch API's files
+    # live: a directory on the head node ("~" is its user's home).
+    state_directory: str = "~/.local/state/llm-gateway"
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
     # Serve's limit per ingress replica; keep it above max_concurrent_requests so the gateway,
@@ -102,9 +109,14 @@ with rate limits). ``ingress_num_cpus``
             raise ValueError(f"max_fanout must be positive, got {self.max_fanout}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
-        secrets = [k.key for k in self.keys()]
+        secrets = [k.key for k in self.keys()] + ([self.admin_key] if self.admin_key else [])
         if len(set(secrets)) != len(secrets):
-            raise ValueError("API keys must be distinct")
+            raise ValueError("API keys (and the admin key) must be distinct")
+        if self.admin_key is not None and not self.admin_key.strip():
+            raise ValueError("admin_key must not be empty")
+        names = [k.name for k in self.keys() if k.name]
+        if len(set(names)) != len(names):
+            raise ValueError(f"API key names must be distinct, got {names}")
         names = [m.name for m in self.models]
         if not names:
             raise ValueError("at least one model must be configured")
@@ -148,6 +160,15 @@ with rate limits). ``ingress_num_cpus``
         """A protocol's options (``ProtocolSpec.options``) from this configuration: each of its
         fields reads the key its ``name`` gives (``lmtp_max_streams`` → ``max_streams``)."""
         return msgspec.convert(msgspec.to_builtins(self), kind)
+
+    @property
+    def tenancy(self) -> bool:
+        """Whether callers are told apart (keys configured, or made through the admin API)."""
+        return bool(self.keys()) or self.admin_key is not None
+
+    @property
+    def state_path(self) -> str:
+        return os.path.expanduser(self.state_directory)
 
     def keys(self) -> list[ApiKey]:
         """Every accepted key (none: the gateway is open)."""

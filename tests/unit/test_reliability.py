@@ -301,7 +301,7 @@ async def test_a_key_over_its_token_budget_is_refused_until_it_refills():
             r = await c.post("/v1/completions", json=COMPLETION, headers=_bearer("thrifty"))
             assert r.status_code == 200, r.text
         r = await c.post("/v1/completions", json=COMPLETION, headers=_bearer("thrifty"))
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60
         assert "token rate limit of 10 tokens/min" in r.json()["error"]["message"]
         r = await c.post("/v2/models/fake-model/generate", json={"text_input": "Hi"},
                          headers=_bearer("thrifty"))
@@ -309,7 +309,8 @@ async def test_a_key_over_its_token_budget_is_refused_until_it_refills():
         assert r.status_code == 429 and "token rate limit" in r.json()["error"]  # MindIE's
         assert r.json()["error_type"] == "Too Many Requests"
         r = await c.post("/invocations", json={"inputs": "Hi"}, headers=_bearer("thrifty"))
-        assert r.status_code == 429 and "token rate limit" in r.json()["error"]  # LMI's
+        # LMI's: refused at the door (the ledger saw the tokens), in DJL's front-end shape.
+        assert r.status_code == 429 and "token rate limit" in r.json()["message"]
         assert (await c.post("/v1/completions", json=COMPLETION,
                              headers=_bearer("fast"))).status_code == 200
 
