@@ -70,7 +70,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     and usage (default: in this process; the cluster's in a Serve replica)."""
     config = config or GatewayConfig()
     metrics = metrics or gateway_metrics()
-    meter = TenantMeter(ledger or LocalLedger()) if config.tenancy else None
+    meter = TenantMeter(ledger or LocalLedger(), metrics=metrics) if config.tenancy else None
     if meter is not None:
         registry = registry.with_engines(
             lambda name, engine: MeteredEngine(engine, model=name, meter=meter))

@@ -39,7 +39,7 @@ from protocols.internal import (
     TokenEvent,
 )
 
-__all__ = ["CLIENT_ID_PATTERN", "GatewayMetrics", "InstrumentedEngine", "RequestRecord",
+__all__ = ["CLIENT_ID_PATTERN", "MAX_KEY_LABELS", "GatewayMetrics", "bounded_label", "InstrumentedEngine", "RequestRecord",
            "RequestTelemetry", "current_record", "gateway_metrics", "refused_for"]
 
 GENERATION_TAGS = ("model", "protocol", "engine")
@@ -47,6 +47,8 @@ ADAPTER_TAGS = ("model", "adapter")
 # Adapters named in series, per process: beyond, "other" (a directory of thousands of
 # adapters must not make a series each).
 MAX_ADAPTER_LABELS = 64
+KEY_TAGS = ("key", "model", "protocol")
+MAX_KEY_LABELS = 64
 # Content types of responses that stream (SSE, JSON lines): TTFT and ITL are measured for these.
 STREAM_TYPES = (b"text/event-stream", b"application/jsonlines", b"application/x-ndjson")
 # A client's id is kept when it is short and plain (it goes into headers and log lines);
@@ -90,6 +92,12 @@ class GatewayMetrics:
                                       "that ran a LoRA adapter (kind: prompt or generated).",
                                       (*ADAPTER_TAGS, "kind"))
         self.adapter_labels: set[str] = set()
+        # Tenants (docs/tenancy.md): by key name, at most MAX_KEY_LABELS per process.
+        self.key_requests = counter("llm_gateway_key_requests", "Generations by API key.",
+                                    KEY_TAGS)
+        self.key_tokens = counter("llm_gateway_key_tokens", "Tokens by API key (kind: prompt "
+                                  "or generated).", (*KEY_TAGS, "kind"))
+        self.key_labels: set[str] = set()
         self.ttft = histogram("llm_gateway_time_to_first_token_seconds",
                               "Streamed generations: arrival to first token (seconds).",
                               LATENCY_BUCKETS_S)
@@ -106,6 +114,13 @@ class GatewayMetrics:
         self.websockets = make.Gauge("llm_gateway_websockets_open",
                                      description="Websocket connections open (LMTP).",
                                      tag_keys=("protocol",))
+
+
+def bounded_label(labels: set[str], value: str, most: int) -> str:
+    """``value`` while at most ``most`` distinct ones are named, else ``other``."""
+    if value not in labels and len(labels) < most:
+        labels.add(value)
+    return value if value in labels else "other"
 
 
 @functools.cache
@@ -302,10 +317,8 @@ class InstrumentedEngine(EngineWrapper):
             self._record(request, seen, record, tags)
 
     def _record_adapter(self, adapter: str, outcome: str, prompt: int, generated: int) -> None:
-        labels = self.metrics.adapter_labels
-        if adapter not in labels and len(labels) < MAX_ADAPTER_LABELS:
-            labels.add(adapter)
-        tags = {"model": self.model, "adapter": adapter if adapter in labels else "other"}
+        tags = {"model": self.model, "adapter": bounded_label(
+            self.metrics.adapter_labels, adapter, MAX_ADAPTER_LABELS)}
         self.metrics.adapter_requests.inc(1, tags={**tags, "outcome": outcome})
         for kind, count in (("prompt", prompt), ("generated", generated)):
             if count:

@@ -23,7 +23,13 @@ from typing import Protocol
 import msgspec
 
 from gateway.registry import EngineWrapper
-from gateway.telemetry import current_record, refused_for
+from gateway.telemetry import (
+    MAX_KEY_LABELS,
+    GatewayMetrics,
+    bounded_label,
+    current_record,
+    refused_for,
+)
 from gateway.tenants.ledger import Charge, Grant, KeyRecord, Limits, UsageRow
 from protocols.contract import EngineClient
 from protocols.internal import ErrorEvent, Event, FinalEvent, GenerateRequest, TokenEvent
@@ -78,8 +84,10 @@ def priority_of(tier: int, requested: int, rank: int) -> int:
 class TenantMeter:
     """Per process: admission, usage in batches, blocked keys, fair share (module docstring)."""
 
-    def __init__(self, ledger: LedgerPort, holder: str | None = None):
+    def __init__(self, ledger: LedgerPort, holder: str | None = None,
+                 metrics: GatewayMetrics | None = None):
         self.ledger = ledger
+        self.metrics = metrics
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._pending: dict[tuple[str, str, str], Charge] = {}
         # key id → (monotonic time it may generate again, why not before)
@@ -121,8 +129,9 @@ class TenantMeter:
 
     def count(self, state: KeyState, model: str, protocol: str, prompt: int,
               completion: int, requests: int) -> None:
-        """Add a generation's tokens to the next flush."""
+        """Add a generation's tokens to the next flush (and to the key's series)."""
         self._start()
+        self._record(state, model, protocol, prompt, completion, requests)
         slot = (state.owner, model, protocol)
         pending = self._pending.get(slot) or Charge(
             key=state.owner, name=state.name, model=model, protocol=protocol,
@@ -135,6 +144,19 @@ class TenantMeter:
         tokens, stamp = self._recent.get(state.owner, (0.0, time.monotonic()))
         self._recent[state.owner] = (self._decayed(tokens, stamp) + prompt + completion,
                                      time.monotonic())
+
+    def _record(self, state: KeyState, model: str, protocol: str, prompt: int,
+                completion: int, requests: int) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        tags = {"key": bounded_label(metrics.key_labels, state.name, MAX_KEY_LABELS),
+                "model": model, "protocol": protocol}
+        if requests:
+            metrics.key_requests.inc(requests, tags=tags)
+        for kind, count in (("prompt", prompt), ("generated", completion)):
+            if count:
+                metrics.key_tokens.inc(count, tags={**tags, "kind": kind})
 
     def rank(self, state: KeyState) -> int:
         """The key's recent tokens on a log scale (0-99): a heavier user sorts later."""

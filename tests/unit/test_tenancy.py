@@ -17,6 +17,7 @@ from gateway.tenants.ledger import LEASE_S, Charge, Ledger, Limits
 from gateway.tenants.meter import FLUSH_S, KeyState, TenantMeter, priority_of
 from gateway.tenants.shared import LocalLedger
 from tests.fake_engine import FakeEngine
+from tests.recorded_metrics import Recorded
 
 COMPLETION = {"model": "fake-model", "prompt": "Hi", "max_tokens": 5}  # 2 + 5 tokens
 ADMIN = "root-secret"
@@ -30,12 +31,14 @@ class Clock:
         return self.now
 
 
-def _apps(keys: list[ApiKey], ledger: LocalLedger, count: int = 2, engine=None, **config):
+def _apps(keys: list[ApiKey], ledger: LocalLedger, count: int = 2, engine=None,
+          metrics: Recorded | None = None, **config):
     """``count`` gateway apps over one ledger: what ingress replicas are to the cluster's."""
     engine = engine or FakeEngine()
     cfg = GatewayConfig(api_keys=keys, admin_key=ADMIN, **config)
-    return [create_app(ModelRegistry({"fake-model": engine}), cfg, ledger=ledger)
-            for _ in range(count)], engine
+    metrics = metrics or Recorded()
+    return [create_app(ModelRegistry({"fake-model": engine}), cfg, ledger=ledger,
+                       metrics=metrics.metrics()) for _ in range(count)], engine
 
 
 def _http(app, key: str | None = None) -> httpx.AsyncClient:
@@ -193,7 +196,8 @@ def test_a_heavier_key_ranks_later_within_its_tier():
 
 async def test_usage_per_key_counts_exact_tokens_per_model_and_protocol():
     keys = [ApiKey(key="alice-key", name="alice"), ApiKey(key="bob-key", name="bob")]
-    (one, two), _ = _apps(keys, LocalLedger())
+    recorded = Recorded()
+    (one, two), _ = _apps(keys, LocalLedger(), metrics=recorded)
     async with _http(one, "alice-key") as a1, _http(two, "alice-key") as a2, \
             _http(two, "bob-key") as b:
         for client in (a1, a2, a2):
@@ -209,6 +213,10 @@ async def test_usage_per_key_counts_exact_tokens_per_model_and_protocol():
     assert by_protocol["openai"]["prompt_tokens"] == 6
     assert by_protocol["openai"]["completion_tokens"] == 15
     assert by_protocol["tgi"]["completion_tokens"] == 3
+    # The same in the metrics, by key name.
+    assert recorded.count("llm_gateway_key_requests", key="alice") == 4
+    assert recorded.count("llm_gateway_key_tokens", key="alice", kind="generated") == 18
+    assert recorded.count("llm_gateway_key_requests", key="bob", protocol="openai") == 1
 
 
 # --- the admin API ------------------------------------------------------------------------------
