@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.config import ModelConfig
+from gateway.batches.service import KeyScopedBatches, LocalBatches, RayBatches
 from gateway.config import GatewayConfig, load_config
 from gateway.keys import KeyAuth, KeyScopedStore
 from gateway.limits import Admission, BodySizeLimit, CapacityHeader, route_path
@@ -62,12 +63,14 @@ VERSION = "0.1.0"
 def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
                metrics: GatewayMetrics | None = None, answer_ids: bool = True,
                response_store: ResponseStore | None = None,
-               ledger: LedgerPort | None = None) -> FastAPI:
+               ledger: LedgerPort | None = None,
+               batches: LocalBatches | RayBatches | None = None) -> FastAPI:
     """``metrics``: where the request series go (default: Ray's metrics system);
     ``answer_ids``: add ``x-request-id`` to responses (Serve adds it to a replica's);
     ``response_store``: the Responses API's stored responses (default: in this process; a
     Serve replica's are the cluster's, ``serve_asgi_app``); ``ledger``: the tenants' limits
-    and usage (default: in this process; the cluster's in a Serve replica)."""
+    and usage (default: in this process; the cluster's in a Serve replica); ``batches``: where
+    the Batch API's files and batches live (None: the API answers 404)."""
     config = config or GatewayConfig()
     metrics = metrics or gateway_metrics()
     meter = TenantMeter(ledger or LocalLedger(), metrics=metrics) if config.tenancy else None
@@ -82,6 +85,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
     app.state.registry = registry
     app.state.meter = meter
+    app.state.batches = KeyScopedBatches(batches) if batches is not None else None
     size = config.stored_responses_bytes
     app.state.response_store = KeyScopedStore(response_store or MemoryStore(size)) if size \
         else None
@@ -226,11 +230,13 @@ class GatewayIngress:
         self._config = config
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return serve_asgi_app(self._registry, self._config, self._capacity)
+        # Batches are the gateway application's (its config names every model).
+        batches = RayBatches(self._config, serve.get_replica_context().app_name)
+        return serve_asgi_app(self._registry, self._config, self._capacity, batches)
 
 
-def serve_asgi_app(registry: ModelRegistry, config: GatewayConfig,
-                   capacity: int | None) -> FastAPI:
+def serve_asgi_app(registry: ModelRegistry, config: GatewayConfig, capacity: int | None,
+                   batches: RayBatches | None = None) -> FastAPI:
     """The app a Serve replica serves (the gateway's ingress, a model's own application):
     ``capacity``, the generations it admits, is told to Serve's proxy in a header."""
     from gateway.tag_store import SharedTagStore
@@ -238,7 +244,8 @@ def serve_asgi_app(registry: ModelRegistry, config: GatewayConfig,
 
     stored = RayResponseStore(config.stored_responses_bytes)
     ledger = RayLedger(config.state_path) if config.tenancy else None
-    app = create_app(registry, config, answer_ids=False, response_store=stored, ledger=ledger)
+    app = create_app(registry, config, answer_ids=False, response_store=stored, ledger=ledger,
+                     batches=batches)
     # For Serve's proxy (gateway.proxy), which takes it off; HAProxy would pass it on.
     if capacity is not None and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         app.add_middleware(CapacityHeader, capacity=capacity)

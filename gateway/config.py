@@ -37,6 +37,11 @@ with rate limits). ``ingress_num_cpus``
     # Where the cluster's ledger (usage, budgets, admin-made keys) and the Batch API's files
     # live: a directory on the head node ("~" is its user's home).
     state_directory: str = "~/.local/state/llm-gateway"
+    # The Batch API (docs/protocols/batches.md): the largest input file, the most requests in
+    # one, and how many lines run at once (at the batch tier, below every key's).
+    batch_max_file_mib: int = 32
+    batch_max_lines: int = 50_000
+    batch_concurrency: int = 8
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.25
     # Serve's limit per ingress replica; keep it above max_concurrent_requests so the gateway,
@@ -95,7 +100,8 @@ with rate limits). ``ingress_num_cpus``
 
     def __post_init__(self) -> None:
         for field in ("max_concurrent_requests", "max_ongoing_requests", "lmtp_max_streams",
-                      "lmtp_max_frame_bytes", "lmtp_outbox_items"):
+                      "lmtp_max_frame_bytes", "lmtp_outbox_items", "batch_max_file_mib",
+                      "batch_max_lines", "batch_concurrency"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
         for field in ("request_timeout_s", "engine_stall_timeout_s", "lmtp_idle_timeout_s"):

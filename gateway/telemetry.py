@@ -39,8 +39,9 @@ from protocols.internal import (
     TokenEvent,
 )
 
-__all__ = ["CLIENT_ID_PATTERN", "MAX_KEY_LABELS", "GatewayMetrics", "bounded_label", "InstrumentedEngine", "RequestRecord",
-           "RequestTelemetry", "current_record", "gateway_metrics", "refused_for"]
+__all__ = ["CLIENT_ID_PATTERN", "MAX_KEY_LABELS", "GatewayMetrics", "InstrumentedEngine",
+           "RequestRecord", "RequestTelemetry", "bounded_label", "current_record",
+           "gateway_metrics", "refused_for"]
 
 GENERATION_TAGS = ("model", "protocol", "engine")
 ADAPTER_TAGS = ("model", "adapter")

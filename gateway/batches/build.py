@@ -1,0 +1,66 @@
+"""How a batch host is put together: in a cluster (the batch actor's, over the engines' Serve
+deployments) or in a process over given engines (tests). docs/protocols/batches.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from gateway.batches.runner import Send
+from gateway.batches.service import BatchHost, app_sender
+from gateway.batches.store import BatchStore
+from gateway.registry import ModelRegistry
+from gateway.tenants.meter import LedgerPort, MeteredEngine, TenantMeter
+
+__all__ = ["batch_sender", "cluster_host", "store_for"]
+
+MIB = 1024 * 1024
+
+
+def store_for(config: Any, root: str | Path | None = None) -> BatchStore:
+    """The store under ``root`` (default: the config's state directory)."""
+    return BatchStore(Path(root or config.state_path) / "batches",
+                      max_file_bytes=config.batch_max_file_mib * MIB,
+                      max_lines=config.batch_max_lines)
+
+
+def batch_sender(registry: ModelRegistry, config: Any, ledger: LedgerPort,
+                 **app_options: Any) -> Send:
+    """Lines sent through a gateway app of the batch host's own: no keys at its door (each
+    line runs as its batch's owner), its engines metered to the owner's usage."""
+    from gateway.app import create_app
+
+    meter = TenantMeter(ledger)
+    metered = registry.with_engines(
+        lambda name, engine: MeteredEngine(engine, model=name, meter=meter))
+    open_config = msgspec.structs.replace(config, api_keys=[], api_key=None, admin_key=None)
+    return app_sender(create_app(metered, open_config, ledger=ledger, **app_options))
+
+
+def cluster_host(config: Any, app_name: str) -> BatchHost:
+    """The batch actor's host: every model the gateway application reaches by handle (a
+    colocated model lives inside an ingress replica: batches cannot reach it)."""
+    from ray import serve
+
+    from gateway.engine_client import ServeEngineClient
+    from gateway.model_routes import engine_deployment
+    from gateway.response_store import RayResponseStore
+    from gateway.tenants.shared import RayLedger
+
+    clients = {}
+    for model in config.models:
+        if model.colocated:
+            continue
+        handle = serve.get_deployment_handle(engine_deployment(model.name),
+                                             app_name=model.app or app_name, _check_exists=False)
+        clients[model.name] = ServeEngineClient(
+            handle, model.name, request_timeout_s=config.request_timeout_s,
+            stall_timeout_s=config.engine_stall_timeout_s, max_pending=model.pending_limit())
+    registry = ModelRegistry(
+        clients, {alias: to for alias, to in config.aliases.items() if to in clients},
+        adapters={n: c for n, c in config.adapter_catalogs().items() if n in clients})
+    send = batch_sender(registry, config, RayLedger(config.state_path),
+                        response_store=RayResponseStore(config.stored_responses_bytes))
+    return BatchHost(store_for(config), send, config.batch_concurrency)

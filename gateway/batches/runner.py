@@ -1,0 +1,128 @@
+"""Running batches (docs/protocols/batches.md, "How a batch runs").
+
+:class:`BatchRunner` takes the active batches oldest first and sends each line that has no
+result yet through ``send`` (the gateway's own app, in this process: the same translation,
+chat templates and tools as an interactive request), at most ``concurrency`` lines at a time,
+as its owner's key at the batch tier (below every key's, so interactive traffic keeps its
+latency). A line the engines could not take (429, 5xx: overloaded, a replica restarting) is
+sent again after a pause, up to :data:`ATTEMPTS` times; any other answer is its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from gateway.batches.store import ACTIVE, BatchStore, StoredBatch, Tenant
+from protocols.openai.batch_objects import LineProblem, LineRequest, RequestCounts
+
+__all__ = ["ATTEMPTS", "BatchRunner", "Send"]
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 6
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+# send(tenant, endpoint, body) -> (status, JSON body, request id)
+Send = Callable[[Tenant, str, dict], Awaitable[tuple[int, dict, str]]]
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, send: Send, concurrency: int = 8,
+                 retry_pause_s: float = 1.0):
+        self.store = store
+        self.send = send
+        self.concurrency = concurrency
+        self.retry_pause_s = retry_pause_s
+        self.wake = asyncio.Event()  # set when a batch is made or cancelled
+
+    async def run_forever(self) -> None:
+        while True:
+            active = sorted((s for s in self.store.batches() if s.batch.status in ACTIVE),
+                            key=lambda s: s.batch.created_at)
+            if not active:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=5.0)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                await self.run(active[0].batch.id)
+            except Exception:
+                log.exception("batch %s failed to run; trying again shortly", active[0].batch.id)
+                await asyncio.sleep(self.retry_pause_s)
+
+    async def run(self, batch_id: str) -> None:
+        """Run a batch's remaining lines, then finish it."""
+        stored = self.store.stored_batch(batch_id)
+        assert stored is not None
+        lines = self.store.input_lines(stored.tenant.owner, stored.batch)
+        done, _, _ = self.store.done_lines(batch_id)
+        todo = [line for line in lines if line.line not in done]
+        slots = asyncio.Semaphore(self.concurrency)
+        tasks = []
+        for line in todo:
+            await slots.acquire()
+            if self._stopping(batch_id):
+                slots.release()
+                break
+            tasks.append(asyncio.create_task(self._one(stored, line, slots)))
+        await asyncio.gather(*tasks)
+        self._finish(batch_id, expired=bool(todo) and self._expired(batch_id))
+
+    def _stopping(self, batch_id: str) -> bool:
+        stored = self.store.stored_batch(batch_id)
+        return stored is None or stored.batch.status == "cancelling" or self._expired(batch_id)
+
+    def _expired(self, batch_id: str) -> bool:
+        stored = self.store.stored_batch(batch_id)
+        return stored is not None and time.time() > stored.batch.expires_at
+
+    async def _one(self, stored: StoredBatch, line: LineRequest | LineProblem,
+                   slots: asyncio.Semaphore) -> None:
+        try:
+            number = line.line
+            if isinstance(line, LineProblem):
+                self.store.append_result(stored.batch.id, "errors", number, line.custom_id, None,
+                                         {"code": "invalid_request", "message": line.message,
+                                          "line": number})
+                return
+            status, body, request_id = await self._send(stored, line)
+            response = {"status_code": status, "request_id": request_id, "body": body}
+            kind = "output" if status < 300 else "errors"
+            self.store.append_result(stored.batch.id, kind, number, line.custom_id, response,
+                                     None)
+        finally:
+            slots.release()
+
+    async def _send(self, stored: StoredBatch, line: LineRequest) -> tuple[int, dict, str]:
+        for attempt in range(ATTEMPTS):
+            status, body, request_id = await self.send(stored.tenant, stored.batch.endpoint,
+                                                       line.body)
+            if status not in RETRY_STATUSES or attempt == ATTEMPTS - 1:
+                return status, body, request_id
+            await asyncio.sleep(self.retry_pause_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _finish(self, batch_id: str, expired: bool) -> None:
+        stored = self.store.stored_batch(batch_id)
+        assert stored is not None
+        batch, now = stored.batch, int(time.time())
+        if batch.status != "finalizing":
+            batch.status, batch.finalizing_at = "finalizing", now
+            self.store.save(stored)
+        _, completed, failed = self.store.done_lines(batch_id)
+        batch.request_counts = RequestCounts(total=batch.request_counts.total,
+                                             completed=completed, failed=failed)
+        batch.output_file_id = self.store.publish_results(stored, "output")
+        batch.error_file_id = self.store.publish_results(stored, "errors")
+        if batch.cancelling_at is not None:
+            batch.status, batch.cancelled_at = "cancelled", now
+        elif expired:
+            batch.status, batch.expired_at = "expired", now
+        else:
+            batch.status, batch.completed_at = "completed", now
+        self.store.save(stored)
+
