@@ -10,7 +10,8 @@ import msgspec
 from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
 from engines.kinds import check_engine_args, kind_of
 
-__all__ = ["Autoscaling", "Controllers", "Lora", "ModelConfig", "Routing", "plain_adapter_name"]
+__all__ = ["Autoscaling", "Controllers", "Lora", "ModelConfig", "Routing", "Scheduling",
+           "plain_adapter_name"]
 
 
 class Controllers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -68,6 +69,25 @@ class Autoscaling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     def serve_config(self) -> dict[str, Any]:
         return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+
+class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one replica orders its generations by priority (docs/tenancy.md, "Priority and
+    fair share"; a key's tier sets a request's priority). ``max_running``: generations one
+    replica runs in its engine at once; beyond, they wait in the replica, best priority first
+    (``engines.priority_gate``). None: all go to the engine, whose own queue orders them
+    (vLLM's priority scheduling) once its batch is full. ``headroom``: of ``max_running``,
+    the last this many slots go only to a request better than every one running, so a flood
+    of a worse tier never makes a better one wait for a slot."""
+
+    max_running: int | None = None
+    headroom: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_running is not None and not 0 <= self.headroom < self.max_running:
+            raise ValueError("scheduling: headroom must be at least 0 and below max_running")
+        if self.max_running is None and self.headroom:
+            raise ValueError("scheduling: headroom needs max_running")
 
 
 class Routing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -151,6 +171,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     model per gateway, not with ``app``, ``num_replicas`` or ``autoscaling``.
     ``routing``: how requests pick a replica when there are several (``Routing``).
     ``lora``: the model's LoRA adapters (``Lora``; None: none).
+    ``scheduling``: a replica's admission by priority (``Scheduling``).
     """
 
     name: str = EMBEDDED_MODEL_NAME
@@ -178,6 +199,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     controllers: Controllers | msgspec.UnsetType | None = msgspec.UNSET
     routing: Routing = Routing()
     lora: Lora | None = None
+    scheduling: Scheduling = Scheduling()
 
     def __post_init__(self) -> None:
         if not self.name.strip():

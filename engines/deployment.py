@@ -64,12 +64,11 @@ class EngineReplica:
 
     def __init__(self, config: ModelConfig):
         from engines.host import EngineHost
-        from engines.kinds import create_engine
         from engines.serve_logs import keeping_serve_logs, log_with_serve
 
         log_with_serve()  # the engine's start (its placement step) in this replica's log
         with keeping_serve_logs():
-            self.host = EngineHost(create_engine(config))
+            self.host = EngineHost.for_model(config)
         self.callers = CallerWatch()
         self.channels = ChannelSender()
         # What this replica was sent, for the routers of a model routed by prefix (the

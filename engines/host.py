@@ -12,12 +12,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
 from typing import TypeVar
 
 from engines.admission import Refused, admit, check_prompt_size, check_request, prompt_chars
 from engines.base import Admitted, Engine, PromptError, ReferenceEngine, ReferenceOutput
+from engines.config import ModelConfig
 from engines.offload import Busy, Offload
+from engines.priority_gate import PriorityGate
 from engines.telemetry import LEVELS, engine_metrics
 from protocols.internal import (
     Adapter,
@@ -57,23 +59,40 @@ INLINE_TOKENS = 1024
 class EngineHost:
     """:class:`~protocols.internal.EngineClient` over one :class:`~engines.base.Engine`."""
 
-    def __init__(self, engine: Engine, offload: Offload | None = None):
+    def __init__(self, engine: Engine, offload: Offload | None = None,
+                 gate: PriorityGate | None = None):
         self.engine = engine
+        # None: every admitted request goes to the engine at once (its own queue orders them).
+        self.gate = gate
         # Many waiting is fine: a waiting prompt holds only itself, and its deadline bounds it.
         self.offload = offload or Offload(name="tokenize", max_waiting=256)
         self.info: ModelInfo = engine.model_info()
         self.active: set[str] = set()  # request ids in flight
         self._tags = {"model": self.info.name, "engine": self.info.engine}  # of its series
         self.aborted = 0  # requests cancelled before they finished (client disconnects)
+        self.started = 0  # requests admitted to the engine (what runs each one once checks)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig) -> EngineHost:
+        """The host of ``config``'s engine kind, with its priority gate (``Scheduling``)."""
+        from engines.kinds import create_engine
+
+        scheduling = config.scheduling
+        gate = None if scheduling.max_running is None else PriorityGate(
+            scheduling.max_running, scheduling.headroom)
+        return cls(create_engine(config), gate=gate)
 
     async def model_info(self) -> ModelInfo:
         return self.info
+
+    def _slot(self, priority: int) -> AbstractAsyncContextManager[None]:
+        return self.gate.slot(priority) if self.gate is not None else nullcontext()
 
     async def check_health(self) -> None:
         await self.engine.check_health()
 
     async def stats(self) -> EngineStats:
-        return EngineStats(active=len(self.active), aborted=self.aborted)
+        return EngineStats(active=len(self.active), aborted=self.aborted, started=self.started)
 
     async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
         """Token ids of ``prompt`` exactly as ``generate`` would see them; only a prompt that
@@ -144,6 +163,7 @@ class EngineHost:
             yield admitted
             return
         request_id = request.request_id
+        self.started += 1
         self.active.add(request_id)
         LEVELS.set(engine_metrics().active, self._tags, len(self.active))
         progress = _Progress(request, len(admitted.prompt_ids))
@@ -151,7 +171,7 @@ class EngineHost:
         try:
             # aclosing: leaving early (deadline, refusal, disconnect) closes the engine's stream
             # now, which aborts its request, instead of whenever the generator is collected.
-            async with (asyncio.timeout(request.timeout_s),
+            async with (asyncio.timeout(request.timeout_s), self._slot(request.priority),
                         aclosing(self.engine.stream(request, admitted)) as stream):
                 async for event in stream:
                     refusal = progress.see(event)

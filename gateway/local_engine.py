@@ -14,7 +14,6 @@ from contextvars import ContextVar
 
 from engines.config import ModelConfig
 from engines.host import EngineHost
-from engines.kinds import create_engine
 from gateway.engine_client import overloaded, with_default_deadline
 from protocols.internal import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
 
@@ -79,7 +78,7 @@ class LocalEngineClient:
 
     @classmethod
     def start(cls, config: ModelConfig, **options) -> LocalEngineClient:
-        return cls(EngineHost(create_engine(config)), config.name, **options)
+        return cls(EngineHost.for_model(config), config.name, **options)
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[Event, None]:
         opened = _Opened()

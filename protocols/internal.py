@@ -365,11 +365,12 @@ class ModelInfo(_Frozen, kw_only=True):
 
 
 class EngineStats(_Frozen, kw_only=True):
-    """Requests in flight in one engine replica, and how many were cancelled before finishing
-    (client disconnects)."""
+    """Requests in flight in one engine replica, how many were cancelled before finishing
+    (client disconnects), and how many it started since it started."""
 
     active: int = 0
     aborted: int = 0
+    started: int = 0
 
 
 class ModelNotFound(LookupError):

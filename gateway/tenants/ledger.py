@@ -216,6 +216,10 @@ class Ledger:
         if windows is not None:
             windows.slots.pop(slot, None)
 
+    def holders(self) -> list[str]:
+        """The processes holding a lease (ingress replicas that admitted a request lately)."""
+        return sorted(self._holders)
+
     def renew(self, holder: str) -> None:
         self._holders[holder] = self.clock()
 

@@ -84,7 +84,8 @@ async def test_deadline_ends_open_choices_with_honest_usage():
         assert (final.finish_reason, final.stop_reason) == ("abort", "timeout")
         assert final.usage.completion_tokens == len(tokens)
     assert engine.model.cancelled == ["d"]  # the engine's stream was closed, not left running
-    assert (await engine.stats()) == type(await engine.stats())(active=0, aborted=0)
+    stats = await engine.stats()
+    assert (stats.active, stats.aborted, stats.started) == (0, 0, 1)
 
 
 async def test_closing_early_counts_an_abort_and_closes_the_engine_stream():

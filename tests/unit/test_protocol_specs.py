@@ -148,4 +148,4 @@ async def test_engine_kind_is_reported_where_protocols_name_the_backend():
         r = await c.post("/generate", json=BODY)
         assert r.headers["x-compute-type"] == "fake"
         assert (await c.get("/gateway/engines")).json() == {
-            "fake-model": {"active": 0, "aborted": 0}}
+            "fake-model": {"active": 0, "aborted": 0, "started": 1}}
