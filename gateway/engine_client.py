@@ -32,7 +32,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle
 
-from engines.callers import current_caller
+from engines.callers import Caller, current_caller
 from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
 from gateway.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
 from gateway.serve_status import SERVE_STATUS
@@ -41,6 +41,7 @@ from protocols.internal import (
     EngineUnavailable,
     ErrorEvent,
     Event,
+    FinalEvent,
     GenerateRequest,
     InvalidPrompt,
     ModelInfo,
@@ -64,7 +65,9 @@ class ServeEngineClient:
                  probe_timeout_s: float = 2.0, max_pending: int | None = None,
                  monitor_interval_s: float | None = INTERVAL_S,
                  idle_monitor_interval_s: float = IDLE_INTERVAL_S,
-                 channel: ChannelReceiver | None = None):
+                 channel: ChannelReceiver | None = None, caller: Caller | None = None):
+        """``caller``: the named actor this client runs in, where it is not a Serve replica
+        (the batch host): the engine replica aborts its generations if it dies."""
         self._handle = handle
         self._channel = channel  # None: the events come as the Serve call's results
         self._streaming = handle.options(stream=True)
@@ -86,7 +89,8 @@ class ServeEngineClient:
         self._monitor = ReplicaMonitor(self._running_replicas, self._mark_suspect,
                                        interval_s=monitor_interval_s,
                                        idle_interval_s=idle_monitor_interval_s)
-        self._caller: tuple[str, str] | bool | None = False  # this ingress replica, once known
+        # This process as a caller: given, or its Serve replica's name once known.
+        self._caller: Caller | bool | None = caller if caller is not None else False
 
     # --- availability ---------------------------------------------------------------------
 
@@ -158,13 +162,17 @@ class ServeEngineClient:
         # client, and Serve's router, having seen the death, picks another replica (with two
         # replicas a killed one costs no failed new request).
         for attempt in (0, 1):
-            received = False
+            received = ended = False
             try:
                 async with aclosing(self._stream(request, extra)) as events:
                     async for event in events:
                         received = True
+                        ended = ended or isinstance(event, FinalEvent | ErrorEvent)
                         yield event
                 self._monitor.heard_at = time.monotonic()
+                if not ended:  # the replica's side stopped (cancelled): never a silent success
+                    log.warning("engine stream of %s ended before its end", request.request_id)
+                    yield ErrorEvent(kind="engine", message="the engine ended the stream early")
                 return
             except _NoReplica:
                 yield self._no_replica().event()

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from gateway.batches.runner import Send
-from gateway.batches.service import BatchHost, app_sender
+from gateway.batches.service import ACTOR_NAME, NAMESPACE, BatchHost, app_sender
 from gateway.batches.store import BatchStore
 from gateway.registry import ModelRegistry
 from gateway.tenants.meter import LedgerPort, MeteredEngine, TenantMeter
@@ -57,7 +57,8 @@ def cluster_host(config: Any, app_name: str) -> BatchHost:
                                              app_name=model.app or app_name, _check_exists=False)
         clients[model.name] = ServeEngineClient(
             handle, model.name, request_timeout_s=config.request_timeout_s,
-            stall_timeout_s=config.engine_stall_timeout_s, max_pending=model.pending_limit())
+            stall_timeout_s=config.engine_stall_timeout_s, max_pending=model.pending_limit(),
+            caller=(ACTOR_NAME, NAMESPACE))  # not a Serve replica: named for the engine's watch
     registry = ModelRegistry(
         clients, {alias: to for alias, to in config.aliases.items() if to in clients},
         adapters={n: c for n, c in config.adapter_catalogs().items() if n in clients})

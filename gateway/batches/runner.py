@@ -15,8 +15,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import msgspec
+
 from gateway.batches.store import ACTIVE, BatchStore, StoredBatch, Tenant
-from protocols.openai.batch_objects import LineProblem, LineRequest, RequestCounts
+from protocols.openai.batch_objects import BatchObject, LineProblem, LineRequest, RequestCounts
 
 __all__ = ["ATTEMPTS", "BatchRunner", "Send"]
 
@@ -36,6 +38,8 @@ class BatchRunner:
         self.concurrency = concurrency
         self.retry_pause_s = retry_pause_s
         self.wake = asyncio.Event()  # set when a batch is made or cancelled
+        # The running batch's results so far: (completed, failed), for its request_counts.
+        self.progress: dict[str, list[int]] = {}
 
     async def run_forever(self) -> None:
         while True:
@@ -59,7 +63,8 @@ class BatchRunner:
         stored = self.store.stored_batch(batch_id)
         assert stored is not None
         lines = self.store.input_lines(stored.tenant.owner, stored.batch)
-        done, _, _ = self.store.done_lines(batch_id)
+        done, completed, failed = self.store.done_lines(batch_id)
+        self.progress = {batch_id: [completed, failed]}
         todo = [line for line in lines if line.line not in done]
         slots = asyncio.Semaphore(self.concurrency)
         tasks = []
@@ -88,14 +93,29 @@ class BatchRunner:
                 self.store.append_result(stored.batch.id, "errors", number, line.custom_id, None,
                                          {"code": "invalid_request", "message": line.message,
                                           "line": number})
+                self._count(stored.batch.id, failed=True)
                 return
             status, body, request_id = await self._send(stored, line)
             response = {"status_code": status, "request_id": request_id, "body": body}
             kind = "output" if status < 300 else "errors"
             self.store.append_result(stored.batch.id, kind, number, line.custom_id, response,
                                      None)
+            self._count(stored.batch.id, failed=kind == "errors")
         finally:
             slots.release()
+
+    def _count(self, batch_id: str, failed: bool) -> None:
+        counts = self.progress.get(batch_id)
+        if counts is not None:
+            counts[1 if failed else 0] += 1
+
+    def counts(self, batch: BatchObject) -> BatchObject:
+        """``batch`` with its request counts so far while it runs."""
+        counts = self.progress.get(batch.id)
+        if counts is None or batch.status not in ACTIVE:
+            return batch
+        return msgspec.structs.replace(batch, request_counts=RequestCounts(
+            total=batch.request_counts.total, completed=counts[0], failed=counts[1]))
 
     async def _send(self, stored: StoredBatch, line: LineRequest) -> tuple[int, dict, str]:
         for attempt in range(ATTEMPTS):

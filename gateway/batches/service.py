@@ -29,11 +29,11 @@ from protocols.openai.batch_objects import (
     FileObject,
 )
 
-__all__ = ["ACTOR_NAME", "BatchHost", "KeyScopedBatches", "LocalBatches", "RayBatches",
+__all__ = ["ACTOR_NAME", "NAMESPACE", "BatchHost", "KeyScopedBatches", "LocalBatches", "RayBatches",
            "app_sender"]
 
 ACTOR_NAME = "llm-gateway-batches-v1"
-_NAMESPACE = "llm-gateway"
+NAMESPACE = "llm-gateway"
 
 
 def app_sender(app) -> Send:
@@ -96,10 +96,11 @@ class BatchHost:
 
     def batch(self, owner: str, batch_id: str) -> BatchObject | None:
         self.start()  # a restarted host resumes its batches when anyone asks
-        return self.store.batch(owner, batch_id)
+        batch = self.store.batch(owner, batch_id)
+        return None if batch is None else self.runner.counts(batch)
 
     def batches(self, owner: str) -> list[BatchObject]:
-        return [s.batch for s in self.store.batches(owner)]
+        return [self.runner.counts(s.batch) for s in self.store.batches(owner)]
 
     def cancel_batch(self, owner: str, batch_id: str) -> BatchObject | None:
         stored = self.store.stored_batch(batch_id)
@@ -159,7 +160,7 @@ class RayBatches:
             if self._actor is None:
                 self._actor = await asyncio.to_thread(
                     _actor_class().options(
-                        name=ACTOR_NAME, namespace=_NAMESPACE, lifetime="detached",
+                        name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
                         get_if_exists=True, max_restarts=-1, max_task_retries=0,
                         resources={"node:__internal_head__": 0.001}).remote,
                     self.config, self.app_name)

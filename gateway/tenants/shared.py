@@ -6,8 +6,9 @@ on the head node, started by the first process that needs it, which writes its u
 and admin keys to ``<state_directory>/ledger.json`` (at most once a second, atomically) and
 reads them back when Ray restarts it. An ingress replica calls it once per request of a key with
 limits (admission), and sends its usage in one call per quarter second; if the actor cannot be
-reached within :data:`CALL_TIMEOUT_S`, the replica counts in a ledger of its own until it can
-(limits then hold per replica, as before tenancy), and says so in its log.
+reached within :data:`CALL_TIMEOUT_S` (:data:`START_TIMEOUT_S` while it starts), the replica
+counts in a ledger of its own until it can (limits then hold per replica, as before tenancy),
+and says so in its log.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 ACTOR_NAME = "llm-gateway-ledger-v1"
 _NAMESPACE = "llm-gateway"
 CALL_TIMEOUT_S = 2.0
+START_TIMEOUT_S = 60.0
 SAVE_EVERY_S = 1.0
 
 
@@ -123,17 +125,22 @@ class RayLedger:
         self._warned = False
 
     async def _handle(self) -> Any:
+        """The actor, found or started, and ready: the first calls wait for its start (a
+        process to launch: seconds), not only CALL_TIMEOUT_S, so they are counted by it."""
         async with self._lock:
             if self._actor is None:
                 actor_class = _ledger_actor_class()
                 # A GCS lookup (or the actor's start) blocks: off the event loop.
-                self._actor = await asyncio.to_thread(
+                actor = await asyncio.to_thread(
                     actor_class.options(
                         name=ACTOR_NAME, namespace=_NAMESPACE, lifetime="detached",
                         get_if_exists=True, max_restarts=-1, max_task_retries=3,
                         # On the head node, whose disk holds the state directory.
                         resources={"node:__internal_head__": 0.001}).remote,
                     self.directory)
+                async with asyncio.timeout(START_TIMEOUT_S):
+                    await actor.__ray_ready__.remote()
+                self._actor = actor
             return self._actor
 
     async def _call(self, method: str, *args: Any, fallback: bool = True) -> Any:

@@ -224,6 +224,8 @@ async def test_a_cancelled_batch_ends_with_what_it_ran(tmp_path):
     batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                      completion_window="24h")
     await asyncio.sleep(0.3)
+    running = await sdk.batches.retrieve(batch.id)  # counts while it runs, not only at its end
+    assert running.status == "in_progress" and 0 < running.request_counts.completed < 30
     cancelling = await sdk.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = await _finished(sdk, batch.id)

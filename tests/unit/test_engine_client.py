@@ -176,6 +176,16 @@ async def test_a_stuck_replica_ends_the_stream_and_aborts_the_call():
     assert response.cancelled
 
 
+async def test_a_stream_the_replica_ends_early_is_an_engine_error_not_a_success():
+    handle = _Handle()  # the replica's side was cancelled: its stream just stops
+    handle.responses.append(_Response([encode_events([TOKEN])]))
+    events = await _events(_client(handle))
+    assert events[0] == TOKEN and isinstance(events[-1], ErrorEvent)
+    assert events[-1].kind == "engine" and "early" in events[-1].message
+    handle.responses.append(_Response([encode_events([TOKEN, FINAL])]))
+    assert await _events(_client(handle)) == [TOKEN, FINAL]
+
+
 async def test_the_default_deadline_applies_only_where_the_protocol_set_none():
     handle = _Handle()
     client = _client(handle, request_timeout_s=30.0)
