@@ -44,15 +44,16 @@ def venv_bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def wait_ready(url: str, model: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+def wait_ready(url: str, model: str, proc: subprocess.Popen, timeout: float = 900,
+               headers: dict | None = None) -> None:
     """Until the server lists ``model`` (every target serves ``/v1/models``; Ray Serve LLM has
-    no ``/health`` on its ingress)."""
+    no ``/health`` on its ingress); ``headers``: an API key, where the gateway has keys."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before becoming ready")
         try:
-            listed = httpx.get(f"{url}/v1/models", timeout=5)
+            listed = httpx.get(f"{url}/v1/models", timeout=5, headers=headers)
             if listed.status_code == 200 and model in listed.text:
                 return
         except httpx.HTTPError:

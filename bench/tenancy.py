@@ -1,7 +1,7 @@
 """Tiers under load: a better tier's TTFT alone and under a flood of a worse tier, and an
 interactive key's TTFT idle and while a batch runs (docs/benchmarks.md, "Tenants").
 
-    python bench/tenancy.py [--rounds 3] [--gates 16/4,off] [--flood 64] [--batch-lines 256]
+    python bench/tenancy.py [--rounds 3] [--gates 16/4,8/4,off] [--flood 64] [--batch-lines 256]
 
 The default layout (the tiny model its own application, the gateway application, HAProxy) with
 keys ``gold`` (tier 0), ``bulk`` (tier 5) and ``free`` (tier 1), once per ``--gates`` entry:
@@ -10,7 +10,8 @@ Each round measures, in this order: ``alone`` (gold: 4 streams, each 6 requests 
 each), ``flood`` (the same while ``--flood`` bulk clients loop on 64-token requests),
 ``idle`` (free, as gold alone) and ``batch`` (free while a batch of ``--batch-lines`` chat lines
 runs). A round's flood/alone and batch/idle ratios of TTFT p50 are one reading each, pooled
-(``bench.pooled``). Writes ``bench/results/tenancy-<time>.{json,md}``.
+(``bench.pooled``), with the flood's own output; a first round warms the server up and is
+listed, not pooled. Writes ``bench/results/tenancy-<time>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -71,19 +72,26 @@ async def streams(c: httpx.AsyncClient, key: str) -> list[float]:
     return [t for ts in await asyncio.gather(*(one(s) for s in range(4))) for t in ts]
 
 
-async def flooded(c: httpx.AsyncClient, clients: int) -> list[float]:
-    stop = asyncio.Event()
+async def flooded(c: httpx.AsyncClient, clients: int) -> tuple[list[float], float]:
+    """Gold's TTFTs under the flood, and the flood's own output (tokens/s) from its start to
+    the end of gold's streams (its requests finish in waves: a shorter window reads 0)."""
+    stop, finished = asyncio.Event(), []
 
     async def loop(i: int) -> None:
         while not stop.is_set():
-            await c.post("/v1/completions", headers={"authorization": "Bearer bulk-key"},
-                         json={"model": servers.TINY_NAME, "prompt": f"Flood {i}",
-                               "max_tokens": 64, "ignore_eos": True})
+            r = await c.post("/v1/completions", headers={"authorization": "Bearer bulk-key"},
+                             json={"model": servers.TINY_NAME, "prompt": f"Flood {i}",
+                                   "max_tokens": 64, "ignore_eos": True})
+            if r.status_code == 200:
+                finished.append(time.perf_counter())
 
+    started = time.perf_counter()
     tasks = [asyncio.create_task(loop(i)) for i in range(clients)]
     await asyncio.sleep(3.0)
     try:
-        return await streams(c, "gold-key")
+        readings = await streams(c, "gold-key")
+        ended = time.perf_counter()
+        return readings, 64 * sum(t <= ended for t in finished) / (ended - started)
     finally:
         stop.set()
         await asyncio.gather(*tasks)
@@ -113,9 +121,12 @@ async def batched(c: httpx.AsyncClient, lines: int) -> list[float]:
 async def round_of(flood: int, lines: int) -> dict[str, float]:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{servers.PORTS['gateway']}",
                                  timeout=300, limits=httpx.Limits(max_connections=256)) as c:
-        out = {"alone": await streams(c, "gold-key"), "flood": await flooded(c, flood),
-               "idle": await streams(c, "free-key"), "batch": await batched(c, lines)}
-    return {load: round(statistics.median(v) * 1000, 2) for load, v in out.items()}
+        alone = await streams(c, "gold-key")
+        flood_ttfts, flood_tokens_s = await flooded(c, flood)
+        out = {"alone": alone, "flood": flood_ttfts, "idle": await streams(c, "free-key"),
+               "batch": await batched(c, lines)}
+    return {**{load: round(statistics.median(v) * 1000, 2) for load, v in out.items()},
+            "flood_tokens_s": round(flood_tokens_s, 1)}
 
 
 def measure(args) -> list[dict]:
@@ -125,8 +136,10 @@ def measure(args) -> list[dict]:
     for gate in args.gates.split(","):
         proc = start(model_dir, gate, root / f"state-{gate.replace('/', '-')}")
         try:
-            servers.serve_ready("gateway", servers.TINY_NAME, proc)
-            for index in range(args.rounds):
+            servers.wait_ready(f"http://127.0.0.1:{servers.PORTS['gateway']}", servers.TINY_NAME,
+                               proc, headers={"authorization": "Bearer free-key"})
+            # Round -1 warms the server up (its first requests ran 5x slower): listed, not pooled.
+            for index in range(-1, args.rounds):
                 row = {"gate": gate, "round": index,
                        **asyncio.run(round_of(args.flood, args.batch_lines))}
                 rows.append(row)
@@ -142,22 +155,26 @@ def report(rows: list[dict], args) -> str:
              f"64 tokens; batch: {args.batch_lines} lines of 64 tokens (tier 9, 8 at a time); "
              f"{args.rounds} rounds per gate; {servers.machine()}; load generator at "
              f"{args.client} priority.", "",
-             "| gate | round | alone TTFT p50 ms | flood | idle | batch |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['gate']} | {r['round']} | {r['alone']} | {r['flood']} | {r['idle']} | "
-              f"{r['batch']} |" for r in rows]
-    lines += ["", "TTFT p50 ratios (each round one reading, pooled):"]
+             "| gate | round | alone TTFT p50 ms | flood | idle | batch | flood tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['gate']} | {'warm-up' if r['round'] < 0 else r['round']} | {r['alone']} | "
+              f"{r['flood']} | {r['idle']} | {r['batch']} | {r.get('flood_tokens_s')} |"
+              for r in rows]
+    lines += ["", "TTFT p50 ratios (each round one reading, pooled; the warm-up round not):"]
     for gate in args.gates.split(","):
-        mine = [r for r in rows if r["gate"] == gate]
+        mine = [r for r in rows if r["gate"] == gate and r["round"] >= 0]
         for under, base in (("flood", "alone"), ("batch", "idle")):
             readings = [r[under] / r[base] for r in mine if r[base]]
             lines.append(f"- gate {gate}, {under} / {base}: {pool(readings).text()}")
+        lines.append(f"- gate {gate}, the flood's output: "
+                     f"{pool([r['flood_tokens_s'] for r in mine]).text(' tok/s')}")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--gates", default="16/4,off")
+    parser.add_argument("--gates", default="16/4,8/4,off")
     parser.add_argument("--flood", type=int, default=64)
     parser.add_argument("--batch-lines", type=int, default=256)
     parser.add_argument("--client", choices=CLIENT_PRIORITIES, default="realtime")

@@ -262,3 +262,33 @@ def test_policies_are_validated():
                 {"admin_key": " "}):
         with pytest.raises(ValueError):
             load_config(bad)
+
+
+async def test_within_a_tier_a_light_key_overtakes_a_heavy_one_at_a_full_replica():
+    """Fair share by tokens: both keys in tier 1, the replica's gate full; the heavy key's
+    request waited first, the light key's starts first."""
+    from engines.priority_gate import PriorityGate
+
+    engine = FakeEngine(delay=0.01)
+    engine.gate = PriorityGate(max_running=1)
+    keys = [ApiKey(key="heavy", name="heavy"), ApiKey(key="light", name="light")]
+    (app,), _ = _apps(keys, LocalLedger(), count=1, engine=engine)
+    finished: list[str] = []
+
+    async def send(client: httpx.AsyncClient, name: str, max_tokens: int = 5) -> None:
+        r = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": max_tokens})
+        assert r.status_code == 200
+        finished.append(name)
+
+    async with _http(app, "heavy") as heavy, _http(app, "light") as light:
+        for _ in range(4):  # the heavy key's recent tokens
+            await send(heavy, "warm-up", 20)
+        blocker = asyncio.create_task(send(heavy, "blocker", 20))  # holds the only slot
+        await asyncio.sleep(0.05)
+        waiting = asyncio.create_task(send(heavy, "heavy"))
+        await asyncio.sleep(0.02)
+        await asyncio.gather(blocker, waiting, send(light, "light"))
+    assert finished[-3:] == ["blocker", "light", "heavy"]
+    heavy_priority, light_priority = engine.requests[-2].priority, engine.requests[-1].priority
+    assert heavy_priority // 1000 == light_priority // 1000 == 1
+    assert light_priority < heavy_priority
