@@ -20,6 +20,7 @@ import httpx
 
 from gateway.batches.runner import BatchRunner, Send
 from gateway.batches.store import BatchStore, Tenant
+from gateway.cluster_state import NAMESPACE, named_actor
 from gateway.tenants.ledger import Limits
 from gateway.tenants.meter import BATCH_TIER, KeyState, current_key
 from protocols.openai.batch_objects import (
@@ -33,7 +34,6 @@ __all__ = ["ACTOR_NAME", "NAMESPACE", "BatchHost", "KeyScopedBatches", "LocalBat
            "app_sender"]
 
 ACTOR_NAME = "llm-gateway-batches-v1"
-NAMESPACE = "llm-gateway"
 
 
 def app_sender(app) -> Send:
@@ -158,12 +158,9 @@ class RayBatches:
 
         async with self._lock:
             if self._actor is None:
-                self._actor = await asyncio.to_thread(
-                    _actor_class().options(
-                        name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached",
-                        get_if_exists=True, max_restarts=-1, max_task_retries=0,
-                        resources={"node:__internal_head__": 0.001}).remote,
-                    self.config, self.app_name)
+                # No retries: a batch made twice would run twice.
+                self._actor = await named_actor(_actor_class(), ACTOR_NAME, self.config,
+                                                self.app_name, max_task_retries=0)
             actor = self._actor
         try:
             return await actor.call.remote(method, *args)

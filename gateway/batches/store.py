@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
+from gateway.cluster_state import write_atomically
 from protocols.openai.batch_objects import (
     BATCH_ENDPOINTS,
     BatchObject,
@@ -37,6 +37,7 @@ from protocols.openai.batch_objects import (
 
 __all__ = ["BatchStore", "StoredBatch", "StoredFile", "Tenant"]
 
+T = TypeVar("T")
 WINDOW_S = {"24h": 24 * 3600}
 ACTIVE = ("in_progress", "cancelling", "finalizing")
 
@@ -65,12 +66,16 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
 
 
-def _write_atomically(path: Path, raw: bytes) -> None:
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as out:
-        out.write(raw)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(out.name, path)
+def _read(directory: Path, record_id: str, prefix: str, kind: type[T]) -> T | None:
+    """The record ``<record_id>.json`` of ``directory`` (None: no such id, or not one of ours:
+    an id from a client never names a path outside it)."""
+    if not record_id.startswith(prefix) or "/" in record_id or ".." in record_id:
+        return None
+    try:
+        raw = (directory / f"{record_id}.json").read_bytes()
+    except OSError:
+        return None
+    return msgspec.json.decode(raw, type=kind)
 
 
 class BatchStore:
@@ -99,21 +104,15 @@ class BatchStore:
 
     def _save_file(self, owner: str, file_id: str, filename: str, purpose: str,
                    content: bytes) -> FileObject:
-        _write_atomically(self.files_dir / f"{file_id}.jsonl", content)
+        write_atomically(self.files_dir / f"{file_id}.jsonl", content)
         record = FileObject(id=file_id, bytes=len(content), created_at=int(time.time()),
                             filename=filename, purpose=purpose)
-        _write_atomically(self.files_dir / f"{file_id}.json",
+        write_atomically(self.files_dir / f"{file_id}.json",
                           msgspec.json.encode(StoredFile(file=record, owner=owner)))
         return record
 
     def _stored_file(self, file_id: str) -> StoredFile | None:
-        if not file_id.startswith("file-") or "/" in file_id:
-            return None
-        try:
-            raw = (self.files_dir / f"{file_id}.json").read_bytes()
-        except (FileNotFoundError, OSError):
-            return None
-        return msgspec.json.decode(raw, type=StoredFile)
+        return _read(self.files_dir, file_id, "file-", StoredFile)
 
     def file(self, owner: str, file_id: str) -> FileObject | None:
         stored = self._stored_file(file_id)
@@ -162,17 +161,11 @@ class BatchStore:
         return batch
 
     def save(self, stored: StoredBatch) -> None:
-        _write_atomically(self.batches_dir / f"{stored.batch.id}.json",
+        write_atomically(self.batches_dir / f"{stored.batch.id}.json",
                           msgspec.json.encode(stored))
 
     def stored_batch(self, batch_id: str) -> StoredBatch | None:
-        if not batch_id.startswith("batch_") or "/" in batch_id:
-            return None
-        try:
-            raw = (self.batches_dir / f"{batch_id}.json").read_bytes()
-        except (FileNotFoundError, OSError):
-            return None
-        return msgspec.json.decode(raw, type=StoredBatch)
+        return _read(self.batches_dir, batch_id, "batch_", StoredBatch)
 
     def batch(self, owner: str, batch_id: str) -> BatchObject | None:
         stored = self.stored_batch(batch_id)

@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
+from gateway.cluster_state import named_actor, write_atomically
 from gateway.tenants.ledger import Charge, Grant, KeyRecord, Ledger, Limits, UsageRow
 
 __all__ = ["ACTOR_NAME", "CALL_TIMEOUT_S", "LocalLedger", "RayLedger"]
@@ -29,7 +28,6 @@ __all__ = ["ACTOR_NAME", "CALL_TIMEOUT_S", "LocalLedger", "RayLedger"]
 log = logging.getLogger(__name__)
 
 ACTOR_NAME = "llm-gateway-ledger-v1"
-_NAMESPACE = "llm-gateway"
 CALL_TIMEOUT_S = 2.0
 START_TIMEOUT_S = 60.0
 SAVE_EVERY_S = 1.0
@@ -91,7 +89,7 @@ def _ledger_actor_class():
                 if not self.ledger.changed:
                     return
                 raw = self.ledger.snapshot()
-            _write_atomically(self.path, raw)
+            write_atomically(self.path, raw)
 
         def _save_loop(self) -> None:
             while True:
@@ -102,15 +100,6 @@ def _ledger_actor_class():
                     log.exception("could not save the ledger to %s", self.path)
 
     return LedgerActor
-
-
-def _write_atomically(path: Path, raw: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as out:
-        out.write(raw)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(out.name, path)
 
 
 class RayLedger:
@@ -129,15 +118,8 @@ class RayLedger:
         process to launch: seconds), not only CALL_TIMEOUT_S, so they are counted by it."""
         async with self._lock:
             if self._actor is None:
-                actor_class = _ledger_actor_class()
-                # A GCS lookup (or the actor's start) blocks: off the event loop.
-                actor = await asyncio.to_thread(
-                    actor_class.options(
-                        name=ACTOR_NAME, namespace=_NAMESPACE, lifetime="detached",
-                        get_if_exists=True, max_restarts=-1, max_task_retries=3,
-                        # On the head node, whose disk holds the state directory.
-                        resources={"node:__internal_head__": 0.001}).remote,
-                    self.directory)
+                actor = await named_actor(_ledger_actor_class(), ACTOR_NAME, self.directory,
+                                          max_task_retries=3)
                 async with asyncio.timeout(START_TIMEOUT_S):
                     await actor.__ray_ready__.remote()
                 self._actor = actor

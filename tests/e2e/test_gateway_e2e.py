@@ -26,7 +26,7 @@ def test_the_engine_kind_is_what_protocols_report(http):
     assert http.get(f"/v2/models/{MODEL}").json()["platform"] == "vllm"
     r = http.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
     assert r.status_code == 200 and r.headers["x-compute-type"] == "vllm"
-    assert set(http.get("/gateway/engines").json()[MODEL]) == {"active", "aborted"}
+    assert set(http.get("/gateway/engines").json()[MODEL]) == {"active", "aborted", "started"}
     assert list(http.get("/").json()["protocols"]) == ["openai", "lmtp", "mindie", "lmi", "tgi",
                                                        "aici", "anthropic", "responses"]
 

@@ -43,11 +43,11 @@ ENGINE_ARGS = {**VLLM_TEST_ARGS, "max_model_len": 512, "kv_cache_memory_bytes": 
 
 @pytest.fixture(scope="module")
 def tenants(gateway_url, tmp_path_factory):
-    import ray
     from ray import serve
 
     from gateway.app import build_app, build_model_app
 
+    _kill_cluster_actors()  # a ledger another module's gateway started has its state_directory
     root = tmp_path_factory.mktemp("tenants")
     source = build_tiny("llama-wide", root / "llama",
                         Path(local_model_dir(f"embedded:{MODEL}") or ""))
@@ -65,7 +65,15 @@ def tenants(gateway_url, tmp_path_factory):
     yield f"{gateway_url}{ROUTE}", handle, root / "state"
     serve.delete(APP)
     serve.delete(MODEL_APP)
-    for name in ("llm-gateway-ledger-v1", "llm-gateway-batches-v1"):  # others start their own
+    _kill_cluster_actors()  # the modules after this one start their own
+
+
+def _kill_cluster_actors() -> None:
+    """The cluster's ledger and batch host (one each per cluster: the first gateway that needs
+    one starts it with its own config)."""
+    import ray
+
+    for name in ("llm-gateway-ledger-v1", "llm-gateway-batches-v1"):
         try:
             ray.kill(ray.get_actor(name, namespace="llm-gateway"), no_restart=True)
         except ValueError:
