@@ -385,7 +385,14 @@ async def test_an_engine_that_cannot_reach_the_channel_falls_back_to_ray(channel
     assert len(handle.calls) == 1 and len(handle.sent) == 3
 
 
-async def test_the_monitor_asks_serve_only_while_no_stream_delivers():
+async def test_the_monitor_asks_serve_only_while_no_stream_delivers(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway.serve_status import SERVE_STATUS
+
+    # A status thread of its own: the process's one may still be busy with a call an earlier
+    # test's client left behind (after the e2e modules this test once waited 10 s for it).
+    monkeypatch.setattr(SERVE_STATUS, "thread", ThreadPoolExecutor(1))
     handle, asked = _Handle(), []
 
     class _Monitored(ServeEngineClient):
