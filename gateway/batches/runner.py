@@ -70,20 +70,32 @@ class BatchRunner:
         tasks = []
         for line in todo:
             await slots.acquire()
-            if self._stopping(batch_id):
+            if self._stop_reason(batch_id) is not None:
                 slots.release()
                 break
             tasks.append(asyncio.create_task(self._one(stored, line, slots)))
         await asyncio.gather(*tasks)
-        self._finish(batch_id, expired=bool(todo) and self._expired(batch_id))
+        expired = bool(todo) and self._stop_reason(batch_id) == "expired"
+        if expired:
+            self._expire(stored, todo[len(tasks):])
+        self._finish(batch_id, expired=expired)
 
-    def _stopping(self, batch_id: str) -> bool:
+    def _stop_reason(self, batch_id: str) -> str | None:
+        """Why no more lines of the batch start ("cancelling", "expired"; None: they do), from
+        its record (a cancel comes from another call)."""
         stored = self.store.stored_batch(batch_id)
-        return stored is None or stored.batch.status == "cancelling" or self._expired(batch_id)
+        if stored is None or stored.batch.status == "cancelling":
+            return "cancelling"
+        return "expired" if time.time() > stored.batch.expires_at else None
 
-    def _expired(self, batch_id: str) -> bool:
-        stored = self.store.stored_batch(batch_id)
-        return stored is not None and time.time() > stored.batch.expires_at
+    def _expire(self, stored: StoredBatch, unrun: list[LineRequest | LineProblem]) -> None:
+        """The lines a batch past its window did not run: each an error, as OpenAI reports
+        them (docs/protocols/batches.md)."""
+        for line in unrun:
+            self.store.append_result(stored.batch.id, "errors", line.line, line.custom_id, None,
+                                     {"code": "batch_expired", "message": "This request could "
+                                      "not be executed before the completion window expired."})
+            self._count(stored.batch.id, failed=True)
 
     async def _one(self, stored: StoredBatch, line: LineRequest | LineProblem,
                    slots: asyncio.Semaphore) -> None:
@@ -133,7 +145,7 @@ class BatchRunner:
         if batch.status != "finalizing":
             batch.status, batch.finalizing_at = "finalizing", now
             self.store.save(stored)
-        _, completed, failed = self.store.done_lines(batch_id)
+        completed, failed = self.progress[batch_id]  # run() read them, _one() counted
         batch.request_counts = RequestCounts(total=batch.request_counts.total,
                                              completed=completed, failed=failed)
         batch.output_file_id = self.store.publish_results(stored, "output")

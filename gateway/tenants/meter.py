@@ -93,7 +93,6 @@ class TenantMeter:
         # key id → (monotonic time it may generate again, why not before)
         self._blocked: dict[str, tuple[float, str]] = {}
         self._recent: dict[str, tuple[float, float]] = {}  # key id → (tokens, as of)
-        self._limits: dict[str, KeyState] = {}
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
 
@@ -132,15 +131,11 @@ class TenantMeter:
         """Add a generation's tokens to the next flush (and to the key's series)."""
         self._start()
         self._record(state, model, protocol, prompt, completion, requests)
-        slot = (state.owner, model, protocol)
-        pending = self._pending.get(slot) or Charge(
-            key=state.owner, name=state.name, model=model, protocol=protocol,
+        self._add(Charge(
+            key=state.owner, name=state.name, model=model, protocol=protocol, requests=requests,
+            prompt_tokens=prompt, completion_tokens=completion,
             tokens_per_min=state.limits.tokens_per_min, token_budget=state.limits.token_budget,
-            budget_period=state.limits.budget_period)
-        self._pending[slot] = msgspec.structs.replace(
-            pending, requests=pending.requests + requests,
-            prompt_tokens=pending.prompt_tokens + prompt,
-            completion_tokens=pending.completion_tokens + completion)
+            budget_period=state.limits.budget_period))
         tokens, stamp = self._recent.get(state.owner, (0.0, time.monotonic()))
         self._recent[state.owner] = (self._decayed(tokens, stamp) + prompt + completion,
                                      time.monotonic())
@@ -177,20 +172,22 @@ class TenantMeter:
         except Exception:  # kept for the next flush, never lost to a hiccup
             log.warning("usage could not reach the ledger; kept for the next flush")
             for charge in charges:
-                self._merge_back(charge)
+                self._add(charge)
             return
         now = time.monotonic()
         for key, (wait_s, why) in blocked.items():
             self._blocked[key] = (now + wait_s, why)
 
-    def _merge_back(self, charge: Charge) -> None:
+    def _add(self, charge: Charge) -> None:
+        """``charge`` into the next flush, summed with what is pending for its key, model and
+        protocol (the limits stay the newest's)."""
         slot = (charge.key, charge.model, charge.protocol)
-        newer = self._pending.get(slot)
-        if newer is not None:
+        pending = self._pending.get(slot)
+        if pending is not None:
             charge = msgspec.structs.replace(
-                charge, requests=charge.requests + newer.requests,
-                prompt_tokens=charge.prompt_tokens + newer.prompt_tokens,
-                completion_tokens=charge.completion_tokens + newer.completion_tokens)
+                charge, requests=charge.requests + pending.requests,
+                prompt_tokens=charge.prompt_tokens + pending.prompt_tokens,
+                completion_tokens=charge.completion_tokens + pending.completion_tokens)
         self._pending[slot] = charge
 
     def _start(self) -> None:

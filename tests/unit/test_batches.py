@@ -240,3 +240,23 @@ async def test_without_a_batch_host_the_api_is_a_404_in_shape():
                                  base_url="http://gw") as http:
         r = await http.get("/v1/batches")
     assert r.status_code == 404 and "not enabled" in r.json()["error"]["message"]
+
+
+async def test_a_batch_past_its_window_reports_the_lines_it_did_not_run(tmp_path):
+    gw = Gateway(tmp_path, engine=FakeEngine(delay=0.02), concurrency=1)
+    sdk = gw.sdk()
+    lines = [_line(f"r{i}", "q") for i in range(10)]
+    uploaded = await sdk.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h")
+    await asyncio.sleep(0.1)
+    stored = gw.host.store.stored_batch(batch.id)
+    stored.batch.expires_at = 0  # its window has passed
+    gw.host.store.save(stored)
+    done = await _finished(sdk, batch.id)
+    assert done.status == "expired" and done.expired_at is not None
+    counts = done.request_counts
+    assert counts.completed + counts.failed == 10 and 0 < counts.failed < 10
+    errors = await _results(sdk, done.error_file_id)
+    assert len(errors) == counts.failed
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
