@@ -9,7 +9,7 @@ engine kind owns its model: prompt rendering, decoding, and the events of admitt
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -37,7 +37,11 @@ class Engine(Protocol):
     ``protocols.internal``); closing or cancelling it must abort the request in the engine.
     Failures the engine can classify (its own admission, overload) are yielded as
     :class:`~protocols.internal.ErrorEvent` s; anything raised becomes an ``engine`` error.
+    ``tokenizer``: the model's (Hugging Face's interface: ``encode``, ``decode``,
+    ``get_vocab``), which a reasoning parser reads its markers from.
     """
+
+    tokenizer: Any
 
     def model_info(self) -> ModelInfo: ...
 

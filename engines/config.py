@@ -10,8 +10,8 @@ import msgspec
 from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
 from engines.kinds import check_engine_args, kind_of
 
-__all__ = ["Autoscaling", "Controllers", "Lora", "ModelConfig", "Routing", "Scheduling",
-           "plain_adapter_name"]
+__all__ = ["Autoscaling", "Controllers", "Lora", "ModelConfig", "Reasoning", "Routing",
+           "Scheduling", "plain_adapter_name"]
 
 
 class Controllers(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -88,6 +88,23 @@ class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError("scheduling: headroom must be at least 0 and below max_running")
         if self.max_running is None and self.headroom:
             raise ValueError("scheduling: headroom needs max_running")
+
+
+class Reasoning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A reasoning model's format (docs/reasoning.md). ``parser``: the name of the vLLM
+    reasoning parser that reads it (``deepseek_r1`` and ``qwen3`` for ``<think>`` blocks,
+    ``openai_gptoss`` for gpt-oss channels, every name vLLM registers; checked when the replica
+    starts). ``budget_end``: the text forced when a request's reasoning budget is spent
+    (default: the parser's end marker, e.g. ``</think>``). Budgets, and grammars that start
+    after the reasoning, run as a controller: the model needs ``controllers`` on."""
+
+    parser: str
+    budget_end: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.parser.strip() or self.budget_end == "":
+            raise ValueError("reasoning: parser must name a vLLM reasoning parser and "
+                             "budget_end must not be empty")
 
 
 class Routing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -172,6 +189,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``routing``: how requests pick a replica when there are several (``Routing``).
     ``lora``: the model's LoRA adapters (``Lora``; None: none).
     ``scheduling``: a replica's admission by priority (``Scheduling``).
+    ``reasoning``: the model's reasoning format, when it thinks before answering
+    (``Reasoning``; None: it does not).
     """
 
     name: str = EMBEDDED_MODEL_NAME
@@ -200,6 +219,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     routing: Routing = Routing()
     lora: Lora | None = None
     scheduling: Scheduling = Scheduling()
+    reasoning: Reasoning | None = None
 
     def __post_init__(self) -> None:
         if not self.name.strip():

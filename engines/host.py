@@ -15,11 +15,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
 from typing import TypeVar
 
+import msgspec
+
 from engines.admission import Refused, admit, check_prompt_size, check_request, prompt_chars
 from engines.base import Admitted, Engine, PromptError, ReferenceEngine, ReferenceOutput
 from engines.config import ModelConfig
 from engines.offload import Busy, Offload
 from engines.priority_gate import PriorityGate
+from engines.reasoning import ReasoningFormat
 from engines.telemetry import LEVELS, engine_metrics
 from protocols.internal import (
     Adapter,
@@ -48,6 +51,7 @@ log = logging.getLogger(__name__)
 
 A = TypeVar("A")
 T = TypeVar("T")
+Stream = AsyncIterator[Event]
 
 # Prompts and token lists up to this size are (de)tokenized on the event loop (about a
 # millisecond, less than what a thread hop costs a busy loop); larger ones on the offload thread,
@@ -60,13 +64,15 @@ class EngineHost:
     """:class:`~protocols.internal.EngineClient` over one :class:`~engines.base.Engine`."""
 
     def __init__(self, engine: Engine, offload: Offload | None = None,
-                 gate: PriorityGate | None = None):
+                 gate: PriorityGate | None = None, reasoning: ReasoningFormat | None = None):
         self.engine = engine
         # None: every admitted request goes to the engine at once (its own queue orders them).
         self.gate = gate
         # Many waiting is fine: a waiting prompt holds only itself, and its deadline bounds it.
         self.offload = offload or Offload(name="tokenize", max_waiting=256)
-        self.info: ModelInfo = engine.model_info()
+        self.reasoning = reasoning  # the model's reasoning format (None: it does not reason)
+        self.info: ModelInfo = msgspec.structs.replace(
+            engine.model_info(), reasoning=reasoning.name if reasoning is not None else None)
         self.active: set[str] = set()  # request ids in flight
         self._tags = {"model": self.info.name, "engine": self.info.engine}  # of its series
         self.aborted = 0  # requests cancelled before they finished (client disconnects)
@@ -80,7 +86,10 @@ class EngineHost:
         scheduling = config.scheduling
         gate = None if scheduling.max_running is None else PriorityGate(
             scheduling.max_running, scheduling.headroom)
-        return cls(create_engine(config), gate=gate)
+        engine = create_engine(config)
+        reasoning = None if config.reasoning is None else ReasoningFormat(
+            config.reasoning.parser, engine.tokenizer, config.reasoning.budget_end)
+        return cls(engine, gate=gate, reasoning=reasoning)
 
     async def model_info(self) -> ModelInfo:
         return self.info
@@ -162,6 +171,10 @@ class EngineHost:
         if isinstance(admitted, ErrorEvent):
             yield admitted
             return
+        request, split = self._reasoning(request, admitted)
+        if isinstance(request, ErrorEvent):
+            yield request
+            return
         request_id = request.request_id
         self.started += 1
         self.active.add(request_id)
@@ -172,7 +185,7 @@ class EngineHost:
             # aclosing: leaving early (deadline, refusal, disconnect) closes the engine's stream
             # now, which aborts its request, instead of whenever the generator is collected.
             async with (asyncio.timeout(request.timeout_s), self._slot(request.priority),
-                        aclosing(self.engine.stream(request, admitted)) as stream):
+                        aclosing(split(self.engine.stream(request, admitted))) as stream):
                 async for event in stream:
                     refusal = progress.see(event)
                     if refusal is not None:  # closing the stream aborts the engine request
@@ -202,6 +215,26 @@ class EngineHost:
             log.debug("generation %s: %s, %d prompt + %d generated tokens in %.3f s",
                      request_id, progress.outcome, progress.prompt_tokens, progress.tokens,
                      time.monotonic() - progress.started)
+
+
+    def _reasoning(self, request: GenerateRequest, admitted: Admitted
+                   ) -> tuple[GenerateRequest | ErrorEvent, Callable[[Stream], Stream]]:
+        """The request as the engine runs it and what its stream goes through: a reasoning
+        model's thinking kept apart, under the ``reasoning`` controller where the request
+        bounds it or brings a controller (engines/reasoning.py)."""
+        fmt = self.reasoning
+        if fmt is None or not fmt.thinks_after(admitted.prompt_ids):
+            return request, _as_is
+        steered = fmt.steer(request)
+        if steered is not request and self.info.capabilities.controllers == "none":
+            return ErrorEvent(kind="validation", param="reasoning", message=(
+                f"model `{self.info.name}` runs no controllers, which a reasoning budget "
+                "needs")), _as_is
+        return steered, fmt.split
+
+
+def _as_is(stream: Stream) -> Stream:
+    return stream
 
 
 class _Choice:

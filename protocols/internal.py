@@ -37,7 +37,8 @@ __all__ = [
     "ControllerSpec", "ControllerTag", "DEADLOCK", "ControllerSupport", "EngineStats", "ErrorEvent",
     "EngineUnavailable", "ErrorKind", "Event", "FinalEvent", "FinishReason", "ForkEvent",
     "GenerateRequest", "InvalidPrompt", "ModelInfo", "ModelNotFound", "ModelRequired",
-    "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "Sampling", "SpliceSupport",
+    "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "ReasoningOptions", "Sampling",
+    "SpliceSupport",
     "TextPrompt", "Timings", "TokenEvent", "TokenPrompt", "ToolCall", "ToolDefinition",
     "TopLogprob", "Usage", "as_error", "decode_events", "encode_events", "splice_allowed",
     "splice_refusal",
@@ -150,6 +151,14 @@ class Adapter(_Frozen, kw_only=True):
     version: int = 0
 
 
+class ReasoningOptions(_Frozen, kw_only=True):
+    """How a reasoning model may think (docs/reasoning.md). ``max_tokens``: the most tokens
+    its reasoning may take; when they are spent the engine appends the model's end-of-reasoning
+    marker and the answer begins (None: no bound but the request's own ``max_tokens``)."""
+
+    max_tokens: int | None = None
+
+
 class GenerateRequest(_Frozen, kw_only=True):
     request_id: str
     model: str
@@ -160,6 +169,8 @@ class GenerateRequest(_Frozen, kw_only=True):
     timeout_s: float | None = None  # deadline, measured from when the engine receives the request
     controller: ControllerSpec | None = None
     adapter: Adapter | None = None  # None: the base model
+    # Bounds on a reasoning model's thinking; ignored by a model that does not reason.
+    reasoning: ReasoningOptions | None = None
 
 
 # --- events -------------------------------------------------------------------------------
@@ -200,6 +211,10 @@ class TokenEvent(_Frozen, tag="token", kw_only=True):
     index: int = 0
     token_id: int
     text: str
+    # A reasoning model's thinking (docs/reasoning.md): the part of this token's text delta
+    # that is reasoning. ``text`` is then the answer's part only, so a protocol that shows no
+    # reasoning renders ``text`` alone; the markers around the reasoning are in neither.
+    reasoning: str = ""
     logprob: float | None = None
     top_logprobs: tuple[TopLogprob, ...] = ()
     special: bool = False
@@ -253,6 +268,8 @@ class Usage(_Frozen, kw_only=True):
     # Prompt tokens the engine took from its prefix cache (a controlled run: summed over the
     # resubmissions its edits cost).
     cached_tokens: int = 0
+    # Of ``completion_tokens``, those of a reasoning model's thinking, its end marker included.
+    reasoning_tokens: int = 0
 
     @property
     def sampled(self) -> int:
@@ -277,6 +294,7 @@ class FinalEvent(_Frozen, tag="final", kw_only=True):
     usage: Usage
     timings: Timings = Timings()
     text: str = ""  # trailing text flushed at the end (held-back bytes); usually empty
+    reasoning: str = ""  # the reasoning part of that trailing text (TokenEvent.reasoning)
     # What the choice's controller logged, the variables it wrote (AICI's ``storage``
     # entries, ``{"WriteVar": {"name", "value": <hex>, "op", "when_version_is"}}``) and the
     # microseconds it ran, since its last TokenEvent that carried them.
@@ -362,6 +380,9 @@ class ModelInfo(_Frozen, kw_only=True):
     # admission refuses a longer one before tokenizing it. None: no bound (every prompt is
     # tokenized, then its tokens are counted).
     max_prompt_chars: int | None = None
+    # The model's reasoning format (a vLLM reasoning parser's name, docs/reasoning.md): its
+    # events carry their thinking apart (TokenEvent.reasoning). None: the model does not reason.
+    reasoning: str | None = None
 
 
 class EngineStats(_Frozen, kw_only=True):

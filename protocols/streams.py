@@ -15,8 +15,28 @@ from protocols.internal import (
     TokenEvent,
 )
 from protocols.pump import Pump
+from protocols.tools import Piece, ToolCallReader
 
-__all__ = ["Peeked", "fold_splices", "merge", "peek", "reindexed"]
+__all__ = ["Peeked", "ThinkingPiece", "answer_pieces", "fold_splices", "merge", "peek",
+           "reindexed"]
+
+
+class ThinkingPiece(msgspec.Struct, frozen=True):
+    """A reasoning model's thinking (docs/reasoning.md), before the answer's pieces."""
+
+    text: str
+
+
+def answer_pieces(reader: ToolCallReader, event: TokenEvent | FinalEvent,
+                  thinking: bool = True) -> list[Piece | ThinkingPiece]:
+    """An event's thinking (where ``thinking`` shows it), then its answer's pieces (text or
+    tool calls, read by ``reader``)."""
+    pieces: list[Piece | ThinkingPiece] = [ThinkingPiece(event.reasoning)] \
+        if event.reasoning and thinking else []
+    final = isinstance(event, FinalEvent)
+    if event.text or final:
+        pieces += reader.read(event.text, final)
+    return pieces
 
 
 class Peeked:

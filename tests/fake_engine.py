@@ -13,6 +13,12 @@ the edits its JSON ``arg`` asks for: ``{"ff": "ab"}`` forces those characters fi
 ``{"fork": m}`` forks choice 0 into ``m`` more choices (indices ``n``, ``n + 1``, ...) at the end,
 ``{"fail": "why"}`` fails to start (an instantiate error). It is hosted under that tag and under
 ``FAKE_SPLICE_ID`` (its module id, as ``ModelInfo.controllers`` reports it).
+
+Reasoning: ``<think>`` and ``</think>`` are one token each (ids past the characters'). With
+``reasoning=True`` the model reasons in vLLM's ``deepseek_r1`` format: a chat prompt ends in
+``<think>`` and the reply is expected to hold ``</think>`` (``REASONING_REPLY``); a request
+whose reasoning budget the host turned into the ``reasoning`` controller gets the marker after
+that many tokens, then the reply's answer (what the real controller would force).
 """
 
 from __future__ import annotations
@@ -47,14 +53,50 @@ from protocols.internal import (
 
 MAX_MODEL_LEN = 64
 FAKE_SPLICE_ID = "f" * 64
-VOCAB = 0x110000
+MARKERS = {"<think>": 0x110000, "</think>": 0x110001}
+VOCAB = 0x110002
+REASONING_REPLY = "Two and two.</think>Four"
+
+
+def tokens_of(text: str) -> list[int]:
+    """One token per character, but one each for the reasoning markers."""
+    ids: list[int] = []
+    while text:
+        marker = next((m for m in MARKERS if text.startswith(m)), None)
+        ids.append(MARKERS[marker] if marker else ord(text[0]))
+        text = text[len(marker):] if marker else text[1:]
+    return ids
+
+
+def text_of(ids) -> str:
+    names = {v: k for k, v in MARKERS.items()}
+    return "".join(names.get(t) or chr(t) for t in ids)
+
+
+class FakeTokenizer:
+    """The fake model's tokenizer, as much of Hugging Face's interface as the host reads."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return tokens_of(text)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return text_of(ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(MARKERS)
 
 
 class FakeModel:
     """The fake engine kind (``engines.base.Engine``)."""
 
-    def __init__(self, name: str, reply: str, delay: float, controllers: ControllerSupport):
+    tokenizer = FakeTokenizer()
+
+    def __init__(self, name: str, reply: str, delay: float, controllers: ControllerSupport,
+                 reasoning: bool = False):
         self.name = name
+        self.reasoning = reasoning
         self.reply = reply
         self.delay = delay
         self.controllers = controllers
@@ -74,21 +116,21 @@ class FakeModel:
         if isinstance(prompt, TokenPrompt):
             return list(prompt.token_ids)
         if isinstance(prompt, TextPrompt):
-            return [ord(c) for c in prompt.text]
+            return tokens_of(prompt.text)
         assert isinstance(prompt, ChatPrompt)
         text = "".join(f"<{m.role}>{m.content}" for m in prompt.messages) + "<assistant>"
-        return [ord(c) for c in text]
+        return tokens_of(text + ("<think>" if self.reasoning else ""))
 
     def detokenize(self, token_ids: tuple[int, ...]) -> str:
-        return "".join(chr(t) for t in token_ids)
+        return text_of(token_ids)
 
     async def stream(self, request: GenerateRequest, admitted: Admitted) -> AsyncIterator[Event]:
         ids = admitted.prompt_ids
         try:
             if request.output.echo or request.output.prompt_logprobs is not None:
                 yield PromptEvent(
-                    text="".join(chr(t) for t in ids),
-                    tokens=tuple(PromptToken(token_id=t, text=chr(t),
+                    text=text_of(ids),
+                    tokens=tuple(PromptToken(token_id=t, text=text_of([t]),
                                              logprob=None if i == 0 else -float(i),
                                              rank=None if i == 0 else i)
                                  for i, t in enumerate(ids)),
@@ -117,6 +159,7 @@ class FakeModel:
             yield event
         spliced = bool(script.get("backtrack") or script.get("fork"))
         reply = self.reply if request.adapter is None else f"{request.adapter.name}: {self.reply}"
+        reply = self._budgeted(request, reply)
         text = ""
         steps = max_tokens - len(forced)
         for step in range(steps):
@@ -129,12 +172,13 @@ class FakeModel:
                                        text):
                     yield event
                 return
-            char = reply[step % len(reply)]
+            token = reply[step % len(reply)]
+            char = text_of([token])
             text += char
             logprob = -0.1 * (step + 1)
-            top = (TopLogprob(token_id=ord(char), text=char, logprob=logprob),) if k else ()
+            top = (TopLogprob(token_id=token, text=char, logprob=logprob),) if k else ()
             stop = next((x for x in s.stop if text.endswith(x)), None)
-            yield TokenEvent(index=index, token_id=ord(char), text=char,
+            yield TokenEvent(index=index, token_id=token, text=char,
                              logprob=logprob if k is not None else None, top_logprobs=top,
                              token_text=char if k is not None else None,
                              last=not spliced and (stop is not None or step == steps - 1),
@@ -147,6 +191,19 @@ class FakeModel:
                 return
         for event in self._end(request, index, "length", None, prompt_len, steps, script, text):
             yield event
+
+    @staticmethod
+    def _budgeted(request: GenerateRequest, reply: str) -> list[int]:
+        """The reply's tokens; under the ``reasoning`` controller with a budget, the thinking
+        cut at the budget and the marker forced there."""
+        ids = tokens_of(reply)
+        if request.controller is None or request.controller.module != "reasoning":
+            return ids
+        budget = json.loads(request.controller.arg)["budget"]
+        end = MARKERS["</think>"]
+        if budget is None or end not in ids or ids.index(end) <= budget:
+            return ids
+        return ids[:budget] + ids[ids.index(end):]
 
     @staticmethod
     def _end(request, index, reason, stop_reason, prompt_len, generated, script, text
@@ -172,6 +229,12 @@ class FakeModel:
         return events
 
 
+def _deepseek_r1():
+    from engines.reasoning import ReasoningFormat
+
+    return ReasoningFormat("deepseek_r1", FakeTokenizer())
+
+
 class FakeEngine(EngineHost):
     """The fake kind behind the real host: what unit tests register as a model's engine.
 
@@ -180,9 +243,9 @@ class FakeEngine(EngineHost):
     """
 
     def __init__(self, name: str = "fake-model", reply: str = "Hello world", delay: float = 0.0,
-                 controllers: ControllerSupport = "none"):
-        self.model = FakeModel(name, reply, delay, controllers)
-        super().__init__(self.model)
+                 controllers: ControllerSupport = "none", reasoning: bool = False):
+        self.model = FakeModel(name, reply, delay, controllers, reasoning)
+        super().__init__(self.model, reasoning=_deepseek_r1() if reasoning else None)
         self.requests: list[GenerateRequest] = []
 
     @property

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -103,9 +104,13 @@ class ControllerContext:
     journal the frontend reads between segments (:meth:`journal`): the engine's hook, which
     receives the per-step results, has no client to give them to."""
 
-    def __init__(self, tokenizer: TokenizerInfo, variables: Variables) -> None:
+    def __init__(self, tokenizer: TokenizerInfo, variables: Variables,
+                 controllers: Callable[[str], Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.variables = variables
+        # The runtime's controllers by tag or module id (a factory, or None): how a controller
+        # that runs another one (``engines.controllers.reasoning``) finds it.
+        self.controllers = controllers or (lambda module: None)
         self._logs: list[str] = []
         self._storage: list[dict] = []
         self._journal_logs: list[str] = []
@@ -140,7 +145,7 @@ class ControllerContext:
 
     def forked(self) -> ControllerContext:
         """The context of a fork: same tokenizer and variables, its own logs."""
-        return ControllerContext(self.tokenizer, self.variables)
+        return ControllerContext(self.tokenizer, self.variables, self.controllers)
 
 
 class Controller:

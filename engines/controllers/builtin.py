@@ -24,6 +24,7 @@ from engines.controllers.base import (
     json_arg,
 )
 from engines.controllers.declctrl import DeclController
+from engines.controllers.reasoning import ReasoningController
 
 __all__ = ["BUILTIN_CONTROLLERS", "GuidanceController", "HFTokenizerInfo", "NoneController"]
 
@@ -117,4 +118,4 @@ class GuidanceController(Controller):
 
 
 BUILTIN_CONTROLLERS = {"none": NoneController, "llguidance": GuidanceController,
-                       "declctrl": DeclController}
+                       "declctrl": DeclController, "reasoning": ReasoningController}

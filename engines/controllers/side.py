@@ -263,7 +263,7 @@ class SideChannel:
         if len(arg) > self.limits.max_arg_bytes or len(prompt) > self.limits.max_arg_bytes:
             return error_reply(f"controller argument or prompt over "
                                f"{self.limits.max_arg_bytes} bytes", is_user_error=True)
-        ctx = ControllerContext(self.rt.tokenizer, Variables())
+        ctx = ControllerContext(self.rt.tokenizer, Variables(), self.rt.tags.factory)
         try:
             controller = factory(ctx, arg, list(prompt))
         except ControllerError as exc:

@@ -77,8 +77,8 @@ class VLLMEngine:
         # In a replica this runs inside the placement step (engines.kinds.create_engine): vLLM
         # picks its worker's cores from this process's affinity, widened for it there.
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=_ray_stat_loggers())
-        self._tokenizer = self._llm.get_tokenizer()
-        self._special_ids = frozenset(self._tokenizer.all_special_ids)
+        self.tokenizer = self._llm.get_tokenizer()
+        self._special_ids = frozenset(self.tokenizer.all_special_ids)
         self._priority = self._llm.scheduler_config.policy == "priority"
         self._adapters = None if config.lora is None else \
             VLLMAdapters(self._llm, config.lora, base_slot)
@@ -89,7 +89,7 @@ class VLLMEngine:
             max_logprobs = vocab_size
         self._info = ModelInfo(
             name=config.name, root=self.model_path, max_model_len=model_config.max_model_len,
-            vocab_size=vocab_size, eos_token_id=self._tokenizer.eos_token_id, engine=config.engine,
+            vocab_size=vocab_size, eos_token_id=self.tokenizer.eos_token_id, engine=config.engine,
             dtype=str(model_config.dtype).removeprefix("torch."),
             capabilities=Capabilities(controllers="none" if self._runtime is None else "mask",
                                       max_logprobs=max_logprobs,
@@ -97,7 +97,7 @@ class VLLMEngine:
                                       best_of_above_n=False, priority=self._priority,
                                       adapters=self._adapters is not None),
             controllers=self._runtime.tags() if self._runtime is not None else (),
-            max_prompt_chars=prompt_char_limit(self._tokenizer, model_config.max_model_len),
+            max_prompt_chars=prompt_char_limit(self.tokenizer, model_config.max_model_len),
         )
 
     def _start_controllers(self, options: Controllers, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -138,10 +138,10 @@ class VLLMEngine:
         await self._llm.check_health()
 
     def render(self, prompt: Prompt) -> list[int]:
-        return render_prompt(self._tokenizer, prompt)
+        return render_prompt(self.tokenizer, prompt)
 
     def detokenize(self, token_ids: tuple[int, ...]) -> str:
-        return self._tokenizer.decode(list(token_ids))
+        return self.tokenizer.decode(list(token_ids))
 
     async def stream(self, request: GenerateRequest, admitted: Admitted) -> AsyncIterator[Event]:
         if request.controller is not None and self._runtime is not None:
@@ -151,7 +151,7 @@ class VLLMEngine:
 
             run = ControlledRun(request, admitted.prompt_ids, admitted.max_tokens,
                                 self._runtime.side,
-                                self._tokenizer, self._tokenizer.eos_token_id, segment)
+                                self.tokenizer, self.tokenizer.eos_token_id, segment)
             async with aclosing(run.stream()) as events:
                 async for event in events:
                     yield event
@@ -187,7 +187,7 @@ class VLLMEngine:
         outputs = self._llm.generate(tokens_input(prompt_ids), params, request_id,
                                      lora_request=lora,
                                      priority=request.priority if self._priority else 0)
-        translator = Translator(request, prompt_ids, self._special_ids, self._tokenizer,
+        translator = Translator(request, prompt_ids, self._special_ids, self.tokenizer,
                                 batch_size=self._llm.get_num_unfinished_requests)
         finished = False
         try:
@@ -223,7 +223,7 @@ class VLLMEngine:
         same = {name: getattr(s, name) for name in _SAME_NAMED}
         stop_ids, extra, bias = list(s.stop_token_ids), {}, dict(s.logit_bias)
         if binding is not None:
-            eos = self._tokenizer.eos_token_id
+            eos = self.tokenizer.eos_token_id
             stop_ids = [eos] + [t for t in stop_ids if t != eos]
             same["ignore_eos"] = True
             extra[AICI_ARG] = binding

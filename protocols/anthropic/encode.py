@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from protocols.internal import (
     splice_refusal,
 )
 from protocols.sse import named_events
-from protocols.streams import fold_splices
+from protocols.streams import ThinkingPiece, answer_pieces, fold_splices
 from protocols.tools import CallStart, Piece, TextPiece, ToolCallReader, ToolChoice, whole_text
 
 __all__ = ["MessageMeta", "message_events", "message_response", "sse"]
@@ -34,6 +36,13 @@ class MessageMeta:
     model: str
     tools: ToolChoice
     input_tokens: int = 0  # the prompt's, for a stream's message_start
+    thinking: bool = False  # show a reasoning model's thinking as thinking blocks
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``: Anthropic's is opaque and checked by its API only;
+    this one is a digest of the text (the gateway does not read thinking sent back)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
 def _reader(tools: ToolChoice) -> ToolCallReader:
@@ -62,18 +71,22 @@ async def message_response(events: AsyncIterator[Event], meta: MessageMeta) -> d
     """The whole Message; an error event raises. A call cut off by ``max_tokens`` is there
     with the input it had got (``stop_reason: max_tokens``), as the stream has it."""
     reader, pieces, final, output = _reader(meta.tools), [], None, 0
+    thought: list[str] = []
     async for event in fold_splices(events):
         if isinstance(event, ErrorEvent):
             raise from_event(event)
-        if isinstance(event, TokenEvent):
-            output += 1
-            pieces += reader.read(event.text)
-        elif isinstance(event, FinalEvent):
-            final = event
-            pieces += reader.read(event.text, final=True)
+        if isinstance(event, TokenEvent | FinalEvent):
+            output += isinstance(event, TokenEvent)
+            final = event if isinstance(event, FinalEvent) else final
+            thought.append(event.reasoning)
+            pieces += answer_pieces(reader, event, thinking=False)
     assert final is not None  # the stream contract: a FinalEvent ends every choice
     text, calls = whole_text(pieces, reader)
-    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    thinking = "".join(thought)
+    content: list[dict[str, Any]] = [
+        {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
+    ] if thinking and meta.thinking else []
+    content += [{"type": "text", "text": text}] if text else []
     content += [{"type": "tool_use", "id": call.id, "name": call.name,
                  "input": _input(call.arguments) if call.cut else json.loads(call.arguments)}
                 for call in calls]
@@ -88,10 +101,18 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.index, self.open_kind, self.called = -1, None, False
+        self.thought = ""  # the open thinking block's text, for its signature
 
-    def events(self, piece: Piece) -> list[tuple[str, dict]]:
+    def events(self, piece: Piece | ThinkingPiece) -> list[tuple[str, dict]]:
         out: list[tuple[str, dict]] = []
-        if isinstance(piece, TextPiece):
+        if isinstance(piece, ThinkingPiece):
+            if self.open_kind != "thinking":
+                out += self.close()
+                out.append(self._start({"type": "thinking", "thinking": "", "signature": ""},
+                                       "thinking"))
+            self.thought += piece.text
+            delta = {"type": "thinking_delta", "thinking": piece.text}
+        elif isinstance(piece, TextPiece):
             if self.open_kind != "text":
                 out += self.close()
                 out.append(self._start({"type": "text", "text": ""}, "text"))
@@ -114,8 +135,14 @@ class _Blocks:
     def close(self) -> list[tuple[str, dict]]:
         if self.open_kind is None:
             return []
+        out = []
+        if self.open_kind == "thinking":
+            delta = {"type": "signature_delta", "signature": signature(self.thought)}
+            out.append(("content_block_delta", {"type": "content_block_delta",
+                                                "index": self.index, "delta": delta}))
+            self.thought = ""
         self.open_kind = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [*out, ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
 
 async def message_events(events: AsyncIterator[Event],
@@ -133,15 +160,12 @@ async def message_events(events: AsyncIterator[Event],
             exc = from_event(event if isinstance(event, ErrorEvent) else splice_refusal(event))
             yield "error", error_body(exc.status, exc.message)
             return
-        if isinstance(event, TokenEvent):
-            output += 1
-            for piece in reader.read(event.text):
+        if isinstance(event, TokenEvent | FinalEvent):
+            output += isinstance(event, TokenEvent)
+            for piece in answer_pieces(reader, event, meta.thinking):
                 for item in blocks.events(piece):
                     yield item
-        elif isinstance(event, FinalEvent):
-            for piece in reader.read(event.text, final=True):
-                for item in blocks.events(piece):
-                    yield item
+        if isinstance(event, FinalEvent):
             for item in blocks.close():
                 yield item
             stop_reason, stop_sequence = _stop(event, blocks.called)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from protocols.anthropic.encode import MessageMeta, message_events, message_response, sse
 from protocols.anthropic.errors import AnthropicError, from_event
 from protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
-from protocols.anthropic.translate import chat_prompt, decode_body, messages_request
+from protocols.anthropic.translate import chat_prompt, decode_body, messages_request, thinking_of
 from protocols.contract import EngineClient, ModelDirectory
 from protocols.internal import GenerateRequest, ModelNotFound, ModelRequired
 from protocols.streams import Peeked, peek
@@ -39,13 +39,14 @@ async def messages(request: Request) -> Response:
     name, engine = _resolve(models, body.model)
     meta_id = f"msg_{uuid.uuid4().hex[:24]}"
     internal, tools = messages_request(body, name, meta_id)
+    thinking, _ = thinking_of(body)
     if internal.controller is not None and (refusal := await grammar_refusal(models, name)):
         raise AnthropicError(400, f"{'tools' if tools.mode != 'none' else 'output_config'}: "
                                   f"{refusal}")
     headers = {"request-id": meta_id}
     if not body.stream:
         peeked = await _started(engine, internal)
-        meta = MessageMeta(id=meta_id, model=name, tools=tools)
+        meta = MessageMeta(id=meta_id, model=name, tools=tools, thinking=thinking)
         return JSONResponse(await message_response(aiter(peeked), meta), headers=headers)
     # message_start reports the prompt's tokens before any is generated: counted once the
     # request is running (a refused one costs no count; a failed count ends the generation).
@@ -55,7 +56,8 @@ async def messages(request: Request) -> Response:
     except BaseException:
         await peeked.aclose()
         raise
-    meta = MessageMeta(id=meta_id, model=name, tools=tools, input_tokens=len(prompt_ids))
+    meta = MessageMeta(id=meta_id, model=name, tools=tools, input_tokens=len(prompt_ids),
+                       thinking=thinking)
     return StreamingResponse(sse(message_events(aiter(peeked), meta)),
                              media_type="text/event-stream", headers=headers)
 

@@ -2,7 +2,9 @@
 
 Content blocks: ``text`` anywhere, ``tool_use`` in assistant turns (→ the message's
 ``tool_calls``), ``tool_result`` in user turns (→ ``tool`` messages, before the turn's text);
-anything else (images, documents, thinking) is refused with a 400 naming the block.
+``thinking`` / ``redacted_thinking`` in assistant turns are accepted and left out of the prompt
+(reasoning models' templates drop earlier thinking); anything else (images, documents) is
+refused with a 400 naming the block.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from protocols.internal import (
     ControllerSpec,
     GenerateRequest,
     OutputOptions,
+    ReasoningOptions,
     Sampling,
     ToolCall,
     ToolDefinition,
@@ -108,6 +111,8 @@ def _turn(i: int, message, calls: dict[str, str],
             calls[tool_calls[-1].id] = tool_calls[-1].name
         elif kind == "tool_result" and message.role == "user":
             results.append(_result(f"{where}.content.{j}", block, calls))
+        elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
+            pass
         else:
             raise AnthropicError(400, f"{where}.content.{j}: a {kind!r} block is not supported "
                                       f"in a {message.role} turn by this text-only gateway")
@@ -138,8 +143,6 @@ def _result(where: str, block: dict, calls: dict[str, str]) -> ChatMessage:
 def chat_prompt(body: _Conversation) -> tuple[ChatPrompt, ToolChoice, bool]:
     """The conversation as the engine renders it, the tool choice, and whether parallel calls
     are allowed. A last assistant turn is a prefill the model continues, as Anthropic's is."""
-    _check(body.thinking is None or body.thinking.get("type") == "disabled",
-           "thinking: extended thinking is not supported by this gateway")
     _check(len(body.messages) > 0, "messages: at least one message is required")
     tools = _tools(body.tools)
     choice, parallel = _tool_choice(body.tool_choice, bool(tools))
@@ -156,10 +159,30 @@ def chat_prompt(body: _Conversation) -> tuple[ChatPrompt, ToolChoice, bool]:
     return prompt, choice, parallel
 
 
+def thinking_of(body: _Conversation) -> tuple[bool, ReasoningOptions | None]:
+    """Whether the answer shows a reasoning model's thinking, and its budget
+    (docs/reasoning.md): ``{"type": "enabled", "budget_tokens": n}`` (n below ``max_tokens``),
+    ``{"type": "adaptive"}`` (no budget), ``{"type": "disabled"}`` or none (hidden)."""
+    thinking = body.thinking or {"type": "disabled"}
+    kind = thinking.get("type")
+    _check(kind in ("enabled", "adaptive", "disabled"),
+           "thinking.type: 'enabled', 'adaptive' or 'disabled'")
+    if kind != "enabled":
+        return kind == "adaptive", None
+    budget = thinking.get("budget_tokens")
+    _check(isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1,
+           "thinking.budget_tokens: an integer >= 1 is required when thinking is enabled")
+    max_tokens = getattr(body, "max_tokens", None)
+    _check(max_tokens is None or budget < max_tokens,
+           "thinking.budget_tokens: must be less than max_tokens")
+    return True, ReasoningOptions(max_tokens=budget)
+
+
 def messages_request(body: MessagesRequest, model: str,
                      request_id: str) -> tuple[GenerateRequest, ToolChoice]:
     prompt, choice, parallel = chat_prompt(body)
     _check(body.max_tokens >= 1, "max_tokens: must be at least 1")
+    _, reasoning = thinking_of(body)
     temperature = 1.0 if body.temperature is None else body.temperature
     _check(0 <= temperature <= 1, "temperature: must be in [0, 1]")
     top_p = 1.0 if body.top_p is None else body.top_p
@@ -171,7 +194,7 @@ def messages_request(body: MessagesRequest, model: str,
         sampling=Sampling(temperature=temperature, top_p=top_p, top_k=body.top_k or 0,
                           max_tokens=body.max_tokens, stop=stops),
         output=OutputOptions(splices="append" if body.stream else "retract"),
-        controller=_controller(body, prompt.tools, choice, parallel))
+        controller=_controller(body, prompt.tools, choice, parallel), reasoning=reasoning)
     return request, choice
 
 

@@ -158,19 +158,24 @@ class _UsageCounter:
         self.prompt = 0
         self.cached = 0  # prompt tokens the engine's prefix cache already held
         self.completion = 0
+        self.reasoning = 0  # of completion, a reasoning model's thinking (docs/reasoning.md)
 
     def token(self) -> None:
         self.completion += 1
 
     def final(self, event: FinalEvent) -> None:
+        self.reasoning += event.usage.reasoning_tokens
         if event.index < self.requested and event.index % self.n == 0:
             self.prompt += event.usage.prompt_tokens
             self.cached += event.usage.cached_tokens
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
-                "total_tokens": self.prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
+        usage = {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                 "total_tokens": self.prompt + self.completion,
+                 "prompt_tokens_details": {"cached_tokens": self.cached}}
+        if self.reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning}
+        return usage
 
 
 def _error_chunk(event: ErrorEvent) -> dict:
@@ -243,11 +248,11 @@ async def completion_chunks(
 
 async def chat_chunks(
     events: AsyncIterator[Event], meta: ChunkMeta, *, choices: int, logprobs: bool,
-    usage: UsageMode, tools: ToolChoice | None = None
+    usage: UsageMode, tools: ToolChoice | None = None, reasoning: bool = True
 ) -> AsyncIterator[dict]:
-    """``chat.completion.chunk`` s: a role chunk per choice, a content (or ``tool_calls``)
-    chunk per token, a finish chunk per choice, then usage. Every chunk with choices has a
-    ``delta``."""
+    """``chat.completion.chunk`` s: a role chunk per choice, a content (or ``tool_calls``, or
+    with ``reasoning`` a reasoning model's thinking) chunk per token, a finish chunk per
+    choice, then usage. Every chunk with choices has a ``delta``."""
     counter = _UsageCounter(meta.n, meta.prompts)
     head = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
             "model": meta.model}
@@ -272,13 +277,14 @@ async def chat_chunks(
         if isinstance(event, TokenEvent):
             counter.token()
             lp = {"content": [_chat_logprob(event)]} if logprobs else None
-            for delta in deltas.text(event.index, event.text) or ([{}] if lp else []):
+            for delta in _token_deltas(deltas, event, reasoning) or ([{}] if lp else []):
                 yield wrap({"index": event.index, "delta": delta, "logprobs": lp,
                             "finish_reason": None})
                 lp = None
         elif isinstance(event, FinalEvent):
             counter.final(event)
-            last = deltas.text(event.index, event.text, final=True)
+            last = _thinking(event.reasoning, reasoning) + deltas.text(event.index, event.text,
+                                                                       final=True)
             for delta in last[:-1]:
                 yield wrap({"index": event.index, "delta": delta, "logprobs": None,
                             "finish_reason": None})
@@ -293,6 +299,19 @@ async def chat_chunks(
         yield {**head, "choices": [], "usage": counter.as_dict()}
 
 
+def _thinking(text: str, shown: bool) -> list[dict]:
+    """A delta of a reasoning model's thinking, under both names clients read: DeepSeek's
+    ``reasoning_content`` and vLLM's ``reasoning`` (docs/reasoning.md)."""
+    return [{"reasoning_content": text, "reasoning": text}] if text and shown else []
+
+
+def _token_deltas(deltas: ChatDeltas, event: TokenEvent, reasoning: bool) -> list[dict]:
+    thinking = _thinking(event.reasoning, reasoning)
+    if event.reasoning and not event.text:  # a thinking token: no empty content beside it
+        return thinking
+    return thinking + deltas.text(event.index, event.text)
+
+
 def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """Server-sent events, ``data: <json>\\n\\n`` each, closed by ``data: [DONE]``."""
     return data_events(chunks, done=DONE)
@@ -301,6 +320,7 @@ def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     tokens: list[TokenEvent] = field(default_factory=list)
     final: FinalEvent | None = None
     echoed: EchoedPrompt | None = None
@@ -330,11 +350,13 @@ async def collect(events: AsyncIterator[Event], n: int, prompts: int = 1) -> Col
             counter.token()
             choice = choices.setdefault(event.index, _Choice())
             choice.text.append(event.text)
+            choice.reasoning.append(event.reasoning)
             choice.tokens.append(event)
         elif isinstance(event, FinalEvent):
             counter.final(event)
             choice = choices.setdefault(event.index, _Choice())
             choice.text.append(event.text)
+            choice.reasoning.append(event.reasoning)
             choice.final = event
     return Collected(choices=dict(sorted(choices.items())), usage=counter.as_dict(),
                      prompt_scores=scores)
@@ -371,11 +393,13 @@ def completion_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool
 
 
 def chat_response(collected: Collected, meta: ChunkMeta, *, logprobs: bool,
-                  tools: ToolChoice | None = None) -> dict:
+                  tools: ToolChoice | None = None, reasoning: bool = True) -> dict:
     out = []
     for index, choice in collected.choices.items():
         finish, stop_reason = _finish(choice)
         message, called = chat_message("".join(choice.text), tools)
+        for thinking in _thinking("".join(choice.reasoning), reasoning):
+            message.update(thinking)
         out.append({
             "index": index,
             "message": message,

@@ -90,6 +90,10 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool message's
+    # An assistant's earlier thinking, as DeepSeek's and vLLM's answers carried it: accepted
+    # and left out of the prompt (reasoning models' templates drop earlier turns' thinking).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionIn(msgspec.Struct, kw_only=True):
@@ -115,6 +119,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # A reasoning model's thinking (docs/reasoning.md): its budget in tokens (vLLM's name, and
+    # the gateway's own), and whether the answer shows it.
+    thinking_token_budget: int | None = None
+    max_reasoning_tokens: int | None = None
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -155,9 +155,10 @@ async def chat_completions(raw: bytes | dict | ChatCompletionRequest, models: Mo
                           scores=body.prompt_logprobs)
     if body.stream:
         return sse(chat_chunks(events, meta, choices=body.n, logprobs=body.logprobs,
-                               usage=_usage_mode(body.stream_options), tools=tools))
+                               usage=_usage_mode(body.stream_options), tools=tools,
+                               reasoning=body.include_reasoning))
     return chat_response(await collect(events, body.n), meta, logprobs=body.logprobs,
-                         tools=tools)
+                         tools=tools, reasoning=body.include_reasoning)
 
 
 

@@ -16,6 +16,7 @@ from protocols.internal import (
     ControllerSpec,
     GenerateRequest,
     OutputOptions,
+    ReasoningOptions,
     Sampling,
     TextPrompt,
     TokenPrompt,
@@ -317,8 +318,24 @@ def chat_request(body: ChatCompletionRequest, model: str,
         output=_output(body, logprobs),
         priority=body.priority,
         controller=_chat_controller(body, tools, choice),
+        reasoning=_reasoning(body),
     )
     return request, choice
+
+
+def _reasoning(body: ChatCompletionRequest) -> ReasoningOptions | None:
+    """The reasoning budget (docs/reasoning.md): ``thinking_token_budget`` (vLLM's name) or
+    ``max_reasoning_tokens``."""
+    budgets = {name: value for name, value in (("thinking_token_budget", body.thinking_token_budget),
+                                               ("max_reasoning_tokens", body.max_reasoning_tokens))
+               if value is not None}
+    if not budgets:
+        return None
+    _check(len(budgets) == 1, "give thinking_token_budget or max_reasoning_tokens, not both",
+           "max_reasoning_tokens")
+    [(name, budget)] = budgets.items()
+    _check(budget >= 0, f"{name} must be >= 0", name)
+    return ReasoningOptions(max_tokens=budget)
 
 
 def _chat_controller(body: ChatCompletionRequest, tools: tuple[ToolDefinition, ...],

@@ -21,7 +21,7 @@ from protocols.internal import (
 )
 from protocols.openai.errors import from_event
 from protocols.sse import named_events
-from protocols.streams import fold_splices
+from protocols.streams import ThinkingPiece, answer_pieces, fold_splices
 from protocols.tools import ArgumentsPiece, CallStart, Piece, TextPiece, ToolCallReader, ToolChoice
 
 __all__ = ["ResponseMeta", "response_events", "response_object", "sse"]
@@ -42,7 +42,8 @@ def _shell(meta: ResponseMeta, status: str, output: list, final: FinalEvent | No
     if final is not None:
         usage = {"input_tokens": final.usage.prompt_tokens,
                  "input_tokens_details": {"cached_tokens": final.usage.cached_tokens},
-                 "output_tokens": tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": tokens,
+                 "output_tokens_details": {"reasoning_tokens": final.usage.reasoning_tokens},
                  "total_tokens": final.usage.prompt_tokens + tokens}
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {"id": meta.id, "object": "response", "created_at": meta.created_at,
@@ -65,8 +66,9 @@ def _last_item_status(final: FinalEvent, items: _Items, reader: ToolCallReader) 
 
 
 class _Items:
-    """Output items as pieces arrive: a message item for text, a function_call item per call;
-    one open at a time. Whole responses use the items; streams also the events."""
+    """Output items as pieces arrive: a reasoning item for thinking, a message item for text,
+    a function_call item per call; one open at a time. Whole responses use the items; streams
+    also the events."""
 
     def __init__(self) -> None:
         self.done: list[dict[str, Any]] = []
@@ -77,7 +79,9 @@ class _Items:
         self.seq += 1
         return kind, {"type": kind, "sequence_number": self.seq - 1, **fields}
 
-    def add(self, piece: Piece) -> list[tuple[str, dict]]:
+    def add(self, piece: Piece | ThinkingPiece) -> list[tuple[str, dict]]:
+        if isinstance(piece, ThinkingPiece):
+            return self._think(piece.text)
         if isinstance(piece, TextPiece):
             out = [] if self.open and self.open["type"] == "message" else self.close()
             index = len(self.done)
@@ -104,12 +108,29 @@ class _Items:
         return [self.event("response.function_call_arguments.delta", item_id=self.open["id"],
                            output_index=len(self.done), delta=piece.text)]
 
+    def _think(self, text: str) -> list[tuple[str, dict]]:
+        out = [] if self.open and self.open["type"] == "reasoning" else self.close()
+        index = len(self.done)
+        if not self.open:
+            self.open = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}",
+                         "summary": [], "content": [], "status": "in_progress"}
+            out.append(self.event("response.output_item.added", output_index=index,
+                                  item=dict(self.open)))
+        self.open["text"] = self.open.get("text", "") + text
+        return [*out, self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                 output_index=index, content_index=0, delta=text)]
+
     def close(self, status: str = "completed") -> list[tuple[str, dict]]:
         item, self.open, index = self.open, None, len(self.done)
         if item is None:
             return []
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item.pop("text", "")
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"],
+                                  output_index=index, content_index=0, text=text))
+            item = {**item, "content": [{"type": "reasoning_text", "text": text}]}
+        elif item["type"] == "message":
             text = item.pop("text", "")
             out += [self.event("response.output_text.done", item_id=item["id"],
                                output_index=index, content_index=0, text=text, logprobs=[]),
@@ -137,10 +158,10 @@ async def response_object(events: AsyncIterator[Event], meta: ResponseMeta) -> d
             raise from_event(event)
         if isinstance(event, TokenEvent):
             tokens += 1
-            for piece in reader.read(event.text):
+            for piece in answer_pieces(reader, event):
                 items.add(piece)
         elif isinstance(event, FinalEvent):
-            for piece in reader.read(event.text, final=True):
+            for piece in answer_pieces(reader, event):
                 items.add(piece)
             items.close(_last_item_status(event, items, reader))
             return _shell(meta, _status(event), items.done, event, tokens)
@@ -160,7 +181,7 @@ async def response_events(events: AsyncIterator[Event],
         final = isinstance(event, FinalEvent)
         if isinstance(event, TokenEvent | FinalEvent):
             tokens += 0 if final else 1
-            for piece in reader.read(event.text, final):
+            for piece in answer_pieces(reader, event):
                 for item in items.add(piece):
                     yield item
         if isinstance(event, FinalEvent):

@@ -18,6 +18,7 @@ from protocols.internal import (
     ControllerSpec,
     GenerateRequest,
     OutputOptions,
+    ReasoningOptions,
     Sampling,
     ToolCall,
     ToolDefinition,
@@ -90,6 +91,8 @@ def _add(out: list[ChatMessage], calls: dict[str, str], item: dict[str, Any], wh
                                   tool_calls=(*last.tool_calls, call))
         else:
             out.append(ChatMessage(role="assistant", content="", tool_calls=(call,)))
+    elif kind == "reasoning":
+        pass  # earlier thinking: reasoning models' templates leave it out of the prompt
     elif kind == "function_call_output":
         call_id = item.get("call_id")
         _check(call_id in calls, f"{where}: function_call_output answers call_id "
@@ -176,5 +179,17 @@ def responses_request(body: ResponsesRequest, model: str, request_id: str,
         sampling=Sampling(temperature=temperature, top_p=top_p,
                           max_tokens=body.max_output_tokens),
         output=OutputOptions(splices="append" if body.stream else "retract"),
-        controller=_controller(body, tools, choice))
+        controller=_controller(body, tools, choice), reasoning=_reasoning(body.reasoning))
     return request, choice
+
+
+def _reasoning(reasoning: dict[str, Any] | None) -> ReasoningOptions | None:
+    """``reasoning.max_tokens``: a budget for a reasoning model's thinking (OpenRouter's
+    field; OpenAI's ``effort`` and ``summary`` are accepted and do not change it;
+    docs/reasoning.md)."""
+    budget = (reasoning or {}).get("max_tokens")
+    if budget is None:
+        return None
+    _check(isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0,
+           "reasoning.max_tokens must be an integer >= 0", "reasoning.max_tokens")
+    return ReasoningOptions(max_tokens=budget)

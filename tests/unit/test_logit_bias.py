@@ -115,7 +115,7 @@ def test_the_engine_sends_a_large_bias_packed_and_a_small_one_to_vllm():
     from protocols.internal import GenerateRequest, Sampling, TextPrompt
 
     engine = VLLMEngine.__new__(VLLMEngine)  # only what _sampling_params reads
-    engine._tokenizer = SimpleNamespace(eos_token_id=2)
+    engine.tokenizer = SimpleNamespace(eos_token_id=2)
 
     def params(entries):
         bias = {t: -100.0 for t in range(entries)}
