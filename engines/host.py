@@ -204,6 +204,8 @@ class EngineHost:
         finally:
             self.active.discard(request_id)
             LEVELS.set(engine_metrics().active, self._tags, len(self.active))
+            if progress.reasoning_tokens:
+                engine_metrics().reasoning_tokens.inc(progress.reasoning_tokens, tags=self._tags)
             # A consumer that stops pulling once it has every choice's end (the colocated
             # ingress does) closes the generator before the engine's stream is exhausted:
             # nothing was cut short then, so it is no abort.
@@ -258,6 +260,7 @@ class _Progress:
         self.open = {index: _Choice() for index in range(request.sampling.n)}
         self.seen = set(self.open)  # every index used so far: a fork needs a new one
         self.tokens = 0  # every choice's, over the run
+        self.reasoning_tokens = 0  # of those, a reasoning model's thinking (final counts)
         self.outcome = "aborted"  # the last finish reason or error kind (for the log)
 
     def see(self, event: Event) -> ErrorEvent | None:
@@ -275,6 +278,7 @@ class _Progress:
         elif isinstance(event, FinalEvent):
             self.open.pop(event.index, None)
             self.outcome = event.finish_reason
+            self.reasoning_tokens += event.usage.reasoning_tokens
         elif isinstance(event, ErrorEvent):  # ends the whole stream
             self.open.clear()
             self.outcome = event.kind

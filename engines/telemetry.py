@@ -50,6 +50,10 @@ class EngineMetrics:
             "llm_gateway_engine_requests_active",
             description="Generations admitted by an engine replica and not yet finished.",
             tag_keys=ENGINE_TAGS)
+        self.reasoning_tokens = make.Counter(
+            "llm_gateway_reasoning_tokens",
+            description="Tokens a reasoning model spent thinking, its end marker included "
+                        "(docs/reasoning.md).", tag_keys=ENGINE_TAGS)
         self.pipeline_batch = make.Histogram(
             "llm_gateway_pipeline_batch_seconds",
             description="A pipeline micro-batch's round trip through every stage (seconds).",

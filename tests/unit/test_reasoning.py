@@ -29,7 +29,8 @@ from protocols.internal import (
     TokenEvent,
 )
 from tests.controllers import FakeTokenizer, Scripted
-from tests.fake_engine import MARKERS, REASONING_REPLY, FakeEngine, FakeTokenizer as CharTokenizer
+from tests.fake_engine import MARKERS, REASONING_REPLY, FakeEngine
+from tests.fake_engine import FakeTokenizer as CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("long_context")
 
@@ -303,3 +304,15 @@ async def test_text_protocols_get_the_answer_only():
         r = await http.post("/generate", json={"inputs": "<|im_start|>user\n2+2?<think>",
                                                "parameters": {"max_new_tokens": 40}})
     assert r.status_code == 200 and r.json()["generated_text"] == ANSWER
+
+
+async def test_thinking_tokens_are_counted_in_the_engines_metrics(recorded, monkeypatch):
+    from engines import host
+    from engines.telemetry import EngineMetrics
+
+    metrics = EngineMetrics(recorded, recorded.keeper)
+    monkeypatch.setattr(host, "engine_metrics", lambda: metrics)
+    await _events(_engine(), _chat())
+    await _events(_engine(), _chat(budget=3))
+    tags = (("engine", "fake"), ("model", "fake-model"))
+    assert recorded.counts["llm_gateway_reasoning_tokens"][tags] == len(THOUGHT) + 1 + 4
