@@ -47,8 +47,7 @@ REGEX = {"grammar": {"grammars": [{"lark_grammar": "start: /[a-z ,.]{300,}/"}]}}
 
 
 async def _one(engine, i: int, case: str, max_tokens: int) -> tuple[int, float, float]:
-    from engines.base import Admitted
-    from protocols.internal import (
+    from contract import (
         ControllerSpec,
         ErrorEvent,
         GenerateRequest,
@@ -56,6 +55,7 @@ async def _one(engine, i: int, case: str, max_tokens: int) -> tuple[int, float, 
         TextPrompt,
         TokenEvent,
     )
+    from engines.base import Admitted
 
     controller = {"plain": None, "none": ControllerSpec(module="none"),
                   "regex": ControllerSpec(module="llguidance", arg=json.dumps(REGEX))}[case]

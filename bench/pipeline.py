@@ -118,7 +118,7 @@ async def _drive(host, tokens: int, seqs: int, tag: str,
                  controller: str | None = None) -> tuple[float, list[float], int]:
     """``seqs`` concurrent requests of ``tokens`` each: the wall time, the gaps between
     tokens, and the tokens received."""
-    from protocols.internal import ControllerSpec, GenerateRequest, Sampling, TextPrompt, TokenEvent
+    from contract import ControllerSpec, GenerateRequest, Sampling, TextPrompt, TokenEvent
 
     spec = None if controller is None else ControllerSpec(module=CONTROLLERS[controller][0],
                                                           arg=CONTROLLERS[controller][1])

@@ -37,7 +37,7 @@ def prompt(i: int) -> str:
 
 
 async def tokens_per_s(host, tokens: int, tag: str) -> float:
-    from protocols.internal import GenerateRequest, Sampling, TextPrompt, TokenEvent
+    from contract import GenerateRequest, Sampling, TextPrompt, TokenEvent
 
     async def one(i: int) -> int:
         request = GenerateRequest(request_id=f"{tag}-{i}-{time.monotonic_ns()}", model="m",

@@ -56,8 +56,8 @@ def _engine(args):
 
 
 async def _run(args) -> dict:
+    from contract import ErrorEvent, FinalEvent, GenerateRequest, Sampling, TextPrompt
     from engines.host import EngineHost
-    from protocols.internal import ErrorEvent, FinalEvent, GenerateRequest, Sampling, TextPrompt
 
     engine, most = _engine(args)
     host = EngineHost(engine)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from contract import ChatPrompt, ErrorEvent, GenerateRequest, ModelInfo, Prompt, TokenPrompt
 from engines.base import Admitted
-from protocols.internal import ChatPrompt, ErrorEvent, GenerateRequest, ModelInfo, Prompt, TokenPrompt
 
 __all__ = ["MAX_STOP_TOKEN_IDS", "Refused", "admit", "check_prompt_size", "check_request",
            "prompt_chars"]

@@ -1,5 +1,5 @@
 """What an engine kind implements. :class:`engines.host.EngineHost` turns any :class:`Engine`
-into the engine contract protocols talk to (:class:`protocols.internal.EngineClient`).
+into the engine contract protocols talk to (:class:`contract.EngineClient`).
 
 The host owns everything that is the same for every kind: admission (``engines.admission``),
 the deadline, in-flight/abort accounting and turning unexpected failures into error events. An
@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from protocols.internal import Adapter, Event, GenerateRequest, ModelInfo, Prompt
+from contract import Adapter, Event, GenerateRequest, ModelInfo, Prompt
 
 __all__ = ["Admitted", "Engine", "PromptError", "ReferenceEngine", "ReferenceOutput"]
 
@@ -34,9 +34,9 @@ class Engine(Protocol):
     """One engine kind's model replica.
 
     ``stream`` yields the events of an admitted request (stream contract in
-    ``protocols.internal``); closing or cancelling it must abort the request in the engine.
+    ``contract``); closing or cancelling it must abort the request in the engine.
     Failures the engine can classify (its own admission, overload) are yielded as
-    :class:`~protocols.internal.ErrorEvent` s; anything raised becomes an ``engine`` error.
+    :class:`~contract.ErrorEvent` s; anything raised becomes an ``engine`` error.
     ``tokenizer``: the model's (Hugging Face's interface: ``encode``, ``decode``,
     ``get_vocab``), which a reasoning parser reads its markers from.
     """

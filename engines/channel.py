@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from protocols.internal import Event
+from contract import Event
 
 __all__ = ["ChannelAddress", "ChannelLost", "ChannelReceiver", "ChannelSender",
            "ChannelUnreachable", "Inbox"]

@@ -15,12 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from ray import serve
 
-from engines.base import ReferenceOutput
-from engines.callers import Caller, CallerWatch
-from engines.channel import ChannelAddress, ChannelSender
-from engines.config import ModelConfig
-from engines.prefix_affinity import RecentPrompts
-from protocols.internal import (
+from contract import (
     Adapter,
     EngineStats,
     Event,
@@ -29,7 +24,12 @@ from protocols.internal import (
     Prompt,
     encode_events,
 )
-from protocols.pump import Pump
+from contract.pump import Pump
+from engines.base import ReferenceOutput
+from engines.callers import Caller, CallerWatch
+from engines.channel import ChannelAddress, ChannelSender
+from engines.config import ModelConfig
+from engines.prefix_affinity import RecentPrompts
 
 __all__ = ["EngineDeployment", "EngineReplica", "drain_batches"]
 

@@ -1,8 +1,8 @@
 """Any engine kind behind the engine contract: admission, deadline, accounting, failures.
 
-:class:`EngineHost` is the one implementation of :class:`protocols.internal.EngineClient` inside
+:class:`EngineHost` is the one implementation of :class:`contract.EngineClient` inside
 an engine replica, whatever the kind; the Serve deployment and the unit tests' fake engine both
-use it, so the contract's generic rules (module docstring of ``protocols.internal``) hold the
+use it, so the contract's generic rules (module docstring of ``contract``) hold the
 same way for every kind.
 """
 
@@ -17,14 +17,7 @@ from typing import TypeVar
 
 import msgspec
 
-from engines.admission import Refused, admit, check_prompt_size, check_request, prompt_chars
-from engines.base import Admitted, Engine, PromptError, ReferenceEngine, ReferenceOutput
-from engines.config import ModelConfig
-from engines.offload import Busy, Offload
-from engines.priority_gate import PriorityGate
-from engines.reasoning import ReasoningFormat
-from engines.telemetry import LEVELS, engine_metrics
-from protocols.internal import (
+from contract import (
     Adapter,
     BacktrackEvent,
     EngineStats,
@@ -44,6 +37,13 @@ from protocols.internal import (
     splice_allowed,
     splice_refusal,
 )
+from engines.admission import Refused, admit, check_prompt_size, check_request, prompt_chars
+from engines.base import Admitted, Engine, PromptError, ReferenceEngine, ReferenceOutput
+from engines.config import ModelConfig
+from engines.offload import Busy, Offload
+from engines.priority_gate import PriorityGate
+from engines.reasoning import ReasoningFormat
+from engines.telemetry import LEVELS, engine_metrics
 
 __all__ = ["EngineHost"]
 
@@ -61,7 +61,7 @@ INLINE_TOKENS = 1024
 
 
 class EngineHost:
-    """:class:`~protocols.internal.EngineClient` over one :class:`~engines.base.Engine`."""
+    """:class:`~contract.EngineClient` over one :class:`~engines.base.Engine`."""
 
     def __init__(self, engine: Engine, offload: Offload | None = None,
                  gate: PriorityGate | None = None, reasoning: ReasoningFormat | None = None):

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from protocols.internal import AdapterInvalid
+from contract import AdapterInvalid
 
 __all__ = ["ADAPTER_CONFIG", "AdapterFacts", "AdapterInvalid", "ModelShapes", "check_fits",
            "model_shapes", "read_adapter", "write_zero_adapter"]

@@ -26,7 +26,7 @@ from typing import Literal
 
 import msgspec
 
-from protocols.internal import ChatPrompt, GenerateRequest, Prompt, TextPrompt
+from contract import ChatPrompt, GenerateRequest, Prompt, TextPrompt
 
 __all__ = ["BLOCK_CHARS", "MAX_BLOCKS", "Pick", "PrefixAffinity", "RecentPrompts",
            "chat_text", "prefix_blocks", "prompt_text", "request_keys"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ControllerSpec,
     Event,

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
+from contract import GenerateRequest
 from engines.config import ModelConfig
 from engines.prefix_affinity import request_keys
-from protocols.internal import GenerateRequest
 
 __all__ = ["ROUTING_STATS_KEY", "ROUTING_STATS_PERIOD_S", "RouteQuery", "request_blocks",
            "routing_options"]

@@ -9,9 +9,9 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from contract import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from engines.base import PromptError
 from engines.tool_prompts import template_inputs
-from protocols.internal import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
 __all__ = ["prompt_char_limit", "render_prompt"]
 

@@ -17,8 +17,8 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from protocols.internal import ChatMessage, ChatPrompt, ToolDefinition
-from protocols.tool_markup import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_TAIL, tool_call_head
+from contract import ChatMessage, ChatPrompt, ToolDefinition
+from contract.tool_markup import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_TAIL, tool_call_head
 
 __all__ = ["template_inputs", "tool_instructions"]
 

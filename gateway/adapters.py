@@ -5,7 +5,7 @@ The directory is the catalog every process shares: the gateway's ingress replica
 own application, on every node that mounts it. Loading an adapter at runtime links its folder in
 there, unloading unlinks it, so every process sees the same adapters without a message between
 them, and they outlive a restart. A request carries the adapter's name and folder
-(``protocols.internal.Adapter``) to the replica, which loads it on first use.
+(``contract.Adapter``) to the replica, which loads it on first use.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import os
 import time
 from collections.abc import Callable
 
+from contract import Adapter
 from engines.config import Lora, plain_adapter_name
 from engines.lora import ADAPTER_CONFIG, AdapterInvalid, read_adapter
-from protocols.internal import Adapter
 
 __all__ = ["MAX_LISTED", "AdapterCatalog"]
 

@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from contract import EngineUnavailable, InvalidPrompt
 from engines.config import ModelConfig
 from gateway.batches.service import KeyScopedBatches, LocalBatches, RayBatches
 from gateway.config import GatewayConfig, load_config
@@ -45,7 +46,6 @@ from gateway.tenants.meter import LedgerPort, MeteredEngine, TenantMeter
 from gateway.tenants.shared import LocalLedger
 from protocols.catalog import load_spec
 from protocols.errors import ProtocolError
-from protocols.internal import EngineUnavailable, InvalidPrompt
 from protocols.responses.store import MemoryStore, ResponseStore
 
 __all__ = ["GatewayIngress", "build_app", "build_engine_app", "build_model_app", "create_app",

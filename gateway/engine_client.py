@@ -32,11 +32,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle
 
-from engines.callers import Caller, current_caller
-from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
-from gateway.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
-from gateway.serve_status import SERVE_STATUS
-from protocols.internal import (
+from contract import (
     EngineStats,
     EngineUnavailable,
     ErrorEvent,
@@ -48,6 +44,10 @@ from protocols.internal import (
     Prompt,
     decode_events,
 )
+from engines.callers import Caller, current_caller
+from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
+from gateway.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
+from gateway.serve_status import SERVE_STATUS
 
 __all__ = ["ServeEngineClient", "overloaded", "with_default_deadline"]
 
@@ -58,7 +58,7 @@ _REPLICA_GONE = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableEr
 
 
 class ServeEngineClient:
-    """:class:`protocols.internal.EngineClient` backed by an ``EngineDeployment`` handle."""
+    """:class:`contract.EngineClient` backed by an ``EngineDeployment`` handle."""
 
     def __init__(self, handle: DeploymentHandle, model: str | None = None, *,
                  request_timeout_s: float | None = None, stall_timeout_s: float | None = None,

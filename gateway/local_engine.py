@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from contextvars import ContextVar
 
+from contract import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
 from engines.config import ModelConfig
 from engines.host import EngineHost
 from gateway.engine_client import overloaded, with_default_deadline
-from protocols.internal import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
 
 __all__ = ["CloseStreamsWithRequest", "LocalEngineClient"]
 
@@ -64,7 +64,7 @@ class CloseStreamsWithRequest:
 
 
 class LocalEngineClient:
-    """:class:`protocols.internal.EngineClient` over an :class:`EngineHost` in this process."""
+    """:class:`contract.EngineClient` over an :class:`EngineHost` in this process."""
 
     def __init__(self, host: EngineHost, model: str, *, request_timeout_s: float | None = None,
                  max_pending: int | None = None,

@@ -7,9 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
-from gateway.adapters import AdapterCatalog
-from protocols.contract import EngineClient
-from protocols.internal import (
+from contract import (
     Adapter,
     AdapterInvalid,
     AdapterNotFound,
@@ -21,6 +19,8 @@ from protocols.internal import (
     ModelRequired,
     Prompt,
 )
+from contract.client import EngineClient
+from gateway.adapters import AdapterCatalog
 
 __all__ = ["AdapterEngine", "EngineWrapper", "ModelRegistry"]
 
@@ -65,7 +65,7 @@ class AdapterEngine(EngineWrapper):
 
 
 class ModelRegistry:
-    """Model name → engine (a :class:`~protocols.internal.ModelDirectory`). With exactly one
+    """Model name → engine (a :class:`~contract.ModelDirectory`). With exactly one
     model, an omitted name means that model.
 
     ``aliases`` map extra names onto served models (clients that hard-code a model name, like

@@ -21,6 +21,14 @@ from contextlib import aclosing
 from contextvars import ContextVar
 from typing import Any
 
+from contract import (
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    GenerateRequest,
+    TokenEvent,
+)
+from contract.client import EngineClient
 from engines.telemetry import (
     LATENCY_BUCKETS_S,
     LEVELS,
@@ -30,14 +38,6 @@ from engines.telemetry import (
     ray_metrics,
 )
 from gateway.registry import EngineWrapper
-from protocols.contract import EngineClient
-from protocols.internal import (
-    ErrorEvent,
-    Event,
-    FinalEvent,
-    GenerateRequest,
-    TokenEvent,
-)
 
 __all__ = ["CLIENT_ID_PATTERN", "MAX_KEY_LABELS", "GatewayMetrics", "InstrumentedEngine",
            "RequestRecord", "RequestTelemetry", "bounded_label", "current_record",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from protocols.internal import ControllerSpec
+from contract import ControllerSpec
 
 __all__ = ["MAX_CONTROLLER_ARG_BYTES", "controller_spec", "grammar_controller", "json_schema_controller",
            "regex_controller"]

@@ -3,7 +3,7 @@
 The gateway mounts the routers of every enabled protocol (in the configured order) and asks
 the spec that owns a path to render route-level errors (unknown route, wrong method, body too
 large, missing API key, unexpected failure) in that protocol's shape. Protocol routes find the
-served models at ``app.state.registry`` (a :class:`protocols.internal.ModelDirectory`) and the
+served models at ``app.state.registry`` (a :class:`contract.ModelDirectory`) and the
 protocol's own options (its ``options`` type, built by the gateway from its configuration) with
 :func:`options_of`.
 """

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ErrorEvent,
     Event,
@@ -14,7 +14,7 @@ from protocols.internal import (
     ForkEvent,
     TokenEvent,
 )
-from protocols.pump import Pump
+from contract.pump import Pump
 from protocols.tools import Piece, ToolCallReader
 
 __all__ = ["Peeked", "ThinkingPiece", "answer_pieces", "fold_splices", "merge", "peek",

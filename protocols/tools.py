@@ -1,6 +1,6 @@
 """Tool calling shared by the protocols that offer it (docs/protocols/tools.md).
 
-Each protocol reads its own wire shape into :class:`~protocols.internal.ToolDefinition` s and a
+Each protocol reads its own wire shape into :class:`~contract.ToolDefinition` s and a
 :class:`ToolChoice`; from those this module builds the grammar that makes every call the model
 writes valid (``tools_controller``, run by the engine's ``llguidance`` controller), and reads
 the calls back out of the generated text (:class:`ToolCallReader`), in one pass for a whole
@@ -18,10 +18,10 @@ from typing import Any, Literal
 import jsonschema
 import msgspec
 
-from protocols.contract import ModelDirectory
+from contract import ControllerSpec, ToolCall, ToolDefinition
+from contract.client import ModelDirectory
+from contract.tool_markup import TOOL_CALL_OPEN, TOOL_CALL_TAIL, tool_call_head
 from protocols.controllers import grammar_controller
-from protocols.internal import ControllerSpec, ToolCall, ToolDefinition
-from protocols.tool_markup import TOOL_CALL_OPEN, TOOL_CALL_TAIL, tool_call_head
 
 __all__ = ["MAX_TOOLS", "ArgumentsPiece", "CallStart", "ReadCall", "TextPiece", "ToolCallReader",
            "ToolChoice", "grammar_refusal", "history_call", "new_call_id", "tool_definition",
@@ -94,7 +94,7 @@ def history_call(call_id: str, name: str, arguments: str, names: frozenset[str] 
 def tools_controller(tools: tuple[ToolDefinition, ...], choice: ToolChoice,
                      parallel: bool) -> ControllerSpec | None:
     """The grammar controller for ``choice`` over ``tools`` (None for ``none``): a call is the
-    markup of ``protocols.internal`` around arguments valid against the function's schema;
+    markup of ``contract`` around arguments valid against the function's schema;
     ``auto`` also admits any text that does not start like a call. A named function is exactly
     one call whatever ``parallel`` says: a client that names the function reads one call and
     runs it (OpenAI's forced call, Anthropic's ``tool`` choice). ``tools`` are as

@@ -27,9 +27,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from engines.base import Admitted
-from engines.host import EngineHost
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     Capabilities,
     ChatPrompt,
@@ -50,6 +48,8 @@ from protocols.internal import (
     TopLogprob,
     Usage,
 )
+from engines.base import Admitted
+from engines.host import EngineHost
 
 MAX_MODEL_LEN = 64
 FAKE_SPLICE_ID = "f" * 64

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract import ErrorKind, FinishReason
 from engines.controllers.messages import AdvanceAnswer, PreState
 from engines.controllers.output import BranchOutput
-from protocols.internal import ErrorKind, FinishReason
 
 __all__ = ["Action", "ControllerFailed", "Edit", "Finish", "Fork", "RunSegment", "Suspend",
            "decide"]

@@ -166,7 +166,7 @@ class Release(msgspec.Struct):
 
 class SetTags(msgspec.Struct):
     module_id: str | None = None
-    tags: Any = None  # checked by protocols.controller_tags, whose messages name the rule
+    tags: Any = None  # checked by contract.controller_tags, whose messages name the rule
 
 
 class TagInfo(msgspec.Struct, frozen=True):

@@ -13,8 +13,7 @@ from typing import Any
 
 import msgspec
 
-from engines.detokenize import IncrementalDecoder
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     Event,
     FinalEvent,
@@ -24,6 +23,7 @@ from protocols.internal import (
     TokenEvent,
     Usage,
 )
+from engines.detokenize import IncrementalDecoder
 
 __all__ = ["BranchOutput"]
 

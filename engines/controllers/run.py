@@ -24,6 +24,16 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from contract import (
+    DEADLOCK,
+    ErrorEvent,
+    Event,
+    FinalEvent,
+    ForkEvent,
+    GenerateRequest,
+    TokenEvent,
+)
+from contract.pump import Pump
 from engines.controllers.actions import (
     ControllerFailed,
     Edit,
@@ -36,16 +46,6 @@ from engines.controllers.channels import RuntimeReplyError, SideClient
 from engines.controllers.messages import AdvanceAnswer, read
 from engines.controllers.output import BranchOutput
 from engines.controllers.shm import ChannelError, ChannelFull
-from protocols.internal import (
-    DEADLOCK,
-    ErrorEvent,
-    Event,
-    FinalEvent,
-    ForkEvent,
-    GenerateRequest,
-    TokenEvent,
-)
-from protocols.pump import Pump
 
 __all__ = ["ControlledRun", "Segment", "refusal"]
 

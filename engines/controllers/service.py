@@ -17,6 +17,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from contract import ControllerTag
 from engines.controllers.builtin import BUILTIN_CONTROLLERS, HFTokenizerInfo
 from engines.controllers.channels import MainServer, SideClient, SideServer
 from engines.controllers.messages import RuntimeStats, TagList, read
@@ -24,7 +25,6 @@ from engines.controllers.process import RuntimeProcess, RuntimeStart
 from engines.controllers.runtime import ControllerFactory, ControllerRuntime, Limits
 from engines.controllers.shm import BiasMatrix, ChannelObjects
 from engines.telemetry import LEVELS, STEP_BUCKETS_S, Levels, Tally, engine_metrics
-from protocols.internal import ControllerTag
 
 __all__ = ["AttachedRuntime", "RuntimeService", "attach_runtime", "close_quietly",
            "load_controllers", "start_runtime"]

@@ -1,6 +1,6 @@
 """The runtime's controller registry: module ids of the built-in controllers and the tags
 that name them (the seed's ``get_tags`` / ``set_tags``; the naming rules are
-``protocols.controller_tags``'s, shared with AICI's REST API)."""
+``contract.controller_tags``'s, shared with AICI's REST API)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from contract.controller_tags import MAX_USER_TAGS, check_tags
 from engines.controllers.base import Controller, ControllerContext
 from engines.controllers.channels import error_reply, ok_reply
 from engines.controllers.messages import Auth, Reply, SetTags, TagInfo, TagList
-from protocols.controller_tags import MAX_USER_TAGS, check_tags
 
 __all__ = ["ControllerFactory", "TagRegistry", "module_id_of"]
 

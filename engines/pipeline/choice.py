@@ -8,11 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from engines.base import Admitted
-from engines.pipeline.jobs import Sequence
-from engines.pipeline.sampling import Sampler
-from engines.pipeline.text import OutputText
-from protocols.internal import (
+from contract import (
     Event,
     FinalEvent,
     FinishReason,
@@ -22,6 +18,10 @@ from protocols.internal import (
     TopLogprob,
     Usage,
 )
+from engines.base import Admitted
+from engines.pipeline.jobs import Sequence
+from engines.pipeline.sampling import Sampler
+from engines.pipeline.text import OutputText
 
 if TYPE_CHECKING:
     from engines.pipeline.engine import PipelineEngine

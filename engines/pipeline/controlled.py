@@ -19,12 +19,12 @@ from typing import Any
 
 import msgspec
 
+from contract import FinalEvent, GenerateRequest
 from engines.controllers.channels import MainClient, RuntimeReplyError
 from engines.controllers.masks import bits_to_bias
 from engines.controllers.messages import MidOp, PostOp, PreOp, StepAnswer, read
 from engines.controllers.run import Segment
 from engines.controllers.shm import BiasMatrix, ChannelError
-from protocols.internal import FinalEvent, GenerateRequest
 
 __all__ = ["SegmentRow", "StepHook", "note_finish", "segment_request"]
 

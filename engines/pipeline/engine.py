@@ -18,19 +18,7 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engines.base import Admitted, ReferenceOutput
-from engines.config import ModelConfig
-from engines.controllers.run import ControlledRun, Segment
-from engines.embedded import resolve_model_source
-from engines.pipeline.budget import BudgetFull, KVBudget, NeverFits, tokens_for
-from engines.pipeline.choice import Choice
-from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, plan_stages
-from engines.pipeline.controlled import SegmentRow, StepHook, note_finish, segment_request
-from engines.pipeline.jobs import Job, PipelineFailure
-from engines.pipeline.origin import Origin
-from engines.pipeline.stages import RayStages, Stages
-from engines.tokens import prompt_char_limit, render_prompt
-from protocols.internal import (
+from contract import (
     Adapter,
     Capabilities,
     ErrorEvent,
@@ -43,7 +31,19 @@ from protocols.internal import (
     PromptToken,
     TopLogprob,
 )
-from protocols.pump import Pump
+from contract.pump import Pump
+from engines.base import Admitted, ReferenceOutput
+from engines.config import ModelConfig
+from engines.controllers.run import ControlledRun, Segment
+from engines.embedded import resolve_model_source
+from engines.pipeline.budget import BudgetFull, KVBudget, NeverFits, tokens_for
+from engines.pipeline.choice import Choice
+from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, plan_stages
+from engines.pipeline.controlled import SegmentRow, StepHook, note_finish, segment_request
+from engines.pipeline.jobs import Job, PipelineFailure
+from engines.pipeline.origin import Origin
+from engines.pipeline.stages import RayStages, Stages
+from engines.tokens import prompt_char_limit, render_prompt
 
 __all__ = ["PipelineEngine"]
 

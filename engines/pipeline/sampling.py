@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.internal import Sampling
+from contract import Sampling
 
 __all__ = ["Sampler", "StepLogprobs"]
 

@@ -23,6 +23,7 @@ import logging
 import tempfile
 from typing import Any
 
+from contract import Adapter
 from engines.config import Lora
 from engines.lora import (
     AdapterInvalid,
@@ -31,7 +32,6 @@ from engines.lora import (
     read_adapter,
     write_zero_adapter,
 )
-from protocols.internal import Adapter
 
 __all__ = ["VLLMAdapters", "lora_engine_args", "needs_base_slot"]
 

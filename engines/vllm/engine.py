@@ -1,7 +1,7 @@
 """The ``vllm`` engine kind over vLLM's v1 ``AsyncLLM`` (CPU build or GPU build alike).
 
 This module owns everything vLLM-specific: prompt rendering and tokenization, the mapping of
-:class:`~protocols.internal.Sampling` onto ``SamplingParams``, vLLM's own refusals, and the
+:class:`~contract.Sampling` onto ``SamplingParams``, vLLM's own refusals, and the
 reference decoder parity tests compare against. Admission, deadlines and accounting are the
 host's (``engines.host``); ``engines.vllm.translate`` turns outputs into events.
 """
@@ -16,6 +16,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
+from contract import (
+    Adapter,
+    Capabilities,
+    ErrorEvent,
+    Event,
+    GenerateRequest,
+    ModelInfo,
+    Prompt,
+)
 from engines.base import Admitted, ReferenceOutput
 from engines.config import Controllers, ModelConfig
 from engines.controllers.run import ControlledRun, Segment
@@ -29,15 +38,6 @@ from engines.vllm.controller_hook import AICI_ARG
 from engines.vllm.logit_bias import BIAS_ARG, VLLM_MAX_ENTRIES, pack_bias
 from engines.vllm.logit_bias import PROCESSOR as BIAS_PROCESSOR
 from engines.vllm.translate import Translator
-from protocols.internal import (
-    Adapter,
-    Capabilities,
-    ErrorEvent,
-    Event,
-    GenerateRequest,
-    ModelInfo,
-    Prompt,
-)
 
 if TYPE_CHECKING:
     from engines.controllers.service import AttachedRuntime

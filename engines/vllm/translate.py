@@ -6,8 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engines.detokenize import IncrementalDecoder
-from protocols.internal import (
+from contract import (
     Event,
     FinalEvent,
     FinishReason,
@@ -19,6 +18,7 @@ from protocols.internal import (
     TopLogprob,
     Usage,
 )
+from engines.detokenize import IncrementalDecoder
 
 __all__ = ["Translator", "finish_reason"]
 

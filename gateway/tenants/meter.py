@@ -22,6 +22,8 @@ from typing import Protocol
 
 import msgspec
 
+from contract import ErrorEvent, Event, FinalEvent, GenerateRequest, TokenEvent
+from contract.client import EngineClient
 from gateway.registry import EngineWrapper
 from gateway.telemetry import (
     MAX_KEY_LABELS,
@@ -31,8 +33,6 @@ from gateway.telemetry import (
     refused_for,
 )
 from gateway.tenants.ledger import Charge, Grant, KeyRecord, Limits, UsageRow
-from protocols.contract import EngineClient
-from protocols.internal import ErrorEvent, Event, FinalEvent, GenerateRequest, TokenEvent
 
 __all__ = ["BATCH_TIER", "FLUSH_S", "KeyState", "LedgerPort", "MeteredEngine", "TenantMeter",
            "current_key", "priority_of"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from protocols.internal import (
+from contract import (
     DEADLOCK,
     BacktrackEvent,
     ErrorEvent,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from starlette.responses import PlainTextResponse, Response
 
+from contract import ErrorEvent
 from protocols.errors import ProtocolError
-from protocols.internal import ErrorEvent
 
 __all__ = ["SHAPED_HEADER", "APIError", "from_event", "route_error"]
 

@@ -15,13 +15,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from protocols.aici.encode import RunMeta, run_objects, sse
-from protocols.aici.errors import APIError, from_event
-from protocols.aici.schemas import RunRequest, TagsRequest, decode
-from protocols.aici.tags import MAX_USER_TAGS, LocalTagStore, TagStore, check_tags, tag_info
-from protocols.contract import EngineClient, ModelDirectory
-from protocols.controllers import controller_spec
-from protocols.internal import (
+from contract import (
     DEADLOCK,
     ControllerSpec,
     GenerateRequest,
@@ -31,6 +25,12 @@ from protocols.internal import (
     TextPrompt,
     TokenPrompt,
 )
+from contract.client import EngineClient, ModelDirectory
+from protocols.aici.encode import RunMeta, run_objects, sse
+from protocols.aici.errors import APIError, from_event
+from protocols.aici.schemas import RunRequest, TagsRequest, decode
+from protocols.aici.tags import MAX_USER_TAGS, LocalTagStore, TagStore, check_tags, tag_info
+from protocols.controllers import controller_spec
 from protocols.streams import peek
 
 __all__ = ["router"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from protocols.controller_tags import MAX_TAGS_PER_REQUEST, MAX_USER_TAGS, check_tags
+from contract.controller_tags import MAX_TAGS_PER_REQUEST, MAX_USER_TAGS, check_tags
 
 __all__ = ["MAX_TAGS_PER_REQUEST", "MAX_USER_TAGS", "LocalTagStore", "TagStore", "check_tags",
            "tag_info"]

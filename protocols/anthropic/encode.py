@@ -13,8 +13,7 @@ from typing import Any
 
 from pydantic_core import from_json
 
-from protocols.anthropic.errors import error_body, from_event
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ErrorEvent,
     Event,
@@ -23,6 +22,7 @@ from protocols.internal import (
     TokenEvent,
     splice_refusal,
 )
+from protocols.anthropic.errors import error_body, from_event
 from protocols.sse import named_events
 from protocols.streams import ThinkingPiece, answer_pieces, fold_splices
 from protocols.tools import CallStart, Piece, TextPiece, ToolCallReader, ToolChoice, whole_text

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from contract import ErrorEvent
 from protocols.errors import ProtocolError
-from protocols.internal import ErrorEvent
 
 __all__ = ["OVERLOADED", "AnthropicError", "error_body", "from_event", "route_error"]
 

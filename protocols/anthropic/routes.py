@@ -9,12 +9,12 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from contract import GenerateRequest, ModelNotFound, ModelRequired
+from contract.client import EngineClient, ModelDirectory
 from protocols.anthropic.encode import MessageMeta, message_events, message_response, sse
 from protocols.anthropic.errors import AnthropicError, from_event
 from protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
 from protocols.anthropic.translate import chat_prompt, decode_body, messages_request, thinking_of
-from protocols.contract import EngineClient, ModelDirectory
-from protocols.internal import GenerateRequest, ModelNotFound, ModelRequired
 from protocols.streams import Peeked, peek
 from protocols.tools import grammar_refusal
 

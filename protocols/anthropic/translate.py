@@ -14,10 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from protocols.anthropic.errors import AnthropicError
-from protocols.anthropic.schemas import MessagesRequest, ToolIn, _Conversation
-from protocols.controllers import json_schema_controller
-from protocols.internal import (
+from contract import (
     ChatMessage,
     ChatPrompt,
     ControllerSpec,
@@ -28,6 +25,9 @@ from protocols.internal import (
     ToolCall,
     ToolDefinition,
 )
+from protocols.anthropic.errors import AnthropicError
+from protocols.anthropic.schemas import MessagesRequest, ToolIn, _Conversation
+from protocols.controllers import json_schema_controller
 from protocols.jsonbody import BodyError, decode_json
 from protocols.tools import ToolChoice, tool_definitions, tools_controller
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from contract import ErrorEvent
 from protocols.errors import ProtocolError
-from protocols.internal import ErrorEvent
 
 __all__ = ["LMIError", "dynamic_error", "frontend_error", "generation_error", "payload_error",
            "route_error"]

@@ -18,8 +18,8 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.contract import EngineClient, ModelDirectory
-from protocols.internal import ModelNotFound, ModelRequired
+from contract import ModelNotFound, ModelRequired
+from contract.client import EngineClient, ModelDirectory
 from protocols.lmi.errors import (
     dynamic_error,
     frontend_error,

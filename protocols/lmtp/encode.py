@@ -10,7 +10,7 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ErrorEvent,
     Event,

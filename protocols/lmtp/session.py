@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from protocols.contract import EngineClient
-from protocols.internal import EngineUnavailable
+from contract import EngineUnavailable
+from contract.client import EngineClient
 from protocols.lmtp.encode import generate_items, score_items
 from protocols.lmtp.frames import FrameError, format_frame, parse_frame, salvage_stream_id
 from protocols.lmtp.translate import LMTPError, generate_request, score_request

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from contract import GenerateRequest, OutputOptions, Sampling, TokenPrompt
 from protocols.controllers import controller_spec
-from protocols.internal import GenerateRequest, OutputOptions, Sampling, TokenPrompt
 from protocols.jsonvalues import is_int, is_number
 
 __all__ = ["LMTPError", "generate_request", "score_request"]

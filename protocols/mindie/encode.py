@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ErrorEvent,
     Event,

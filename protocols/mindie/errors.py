@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
+from contract import ErrorEvent
 from protocols.errors import EnvelopeError
-from protocols.internal import ErrorEvent
 
 __all__ = ["NOT_FOUND", "from_event", "invalid", "route_error"]
 

@@ -12,7 +12,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.contract import EngineClient
+from contract.client import EngineClient
 from protocols.errors import EnvelopeError
 from protocols.jsonbody import BodyError, decode_json
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from contract import GenerateRequest, OutputOptions, Sampling, TextPrompt
 from protocols.controllers import controller_spec
-from protocols.internal import GenerateRequest, OutputOptions, Sampling, TextPrompt
 from protocols.jsonvalues import is_int, is_number
 from protocols.mindie.errors import invalid
 

@@ -16,8 +16,8 @@ from typing import TypeVar
 
 import msgspec
 
-from protocols.contract import ModelDirectory
-from protocols.internal import AdapterInvalid, ModelNotFound, ModelRequired
+from contract import AdapterInvalid, ModelNotFound, ModelRequired
+from contract.client import ModelDirectory
 from protocols.openai.errors import OpenAIError
 from protocols.openai.translate import decode_body
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ErrorEvent,
     Event,

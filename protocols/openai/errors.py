@@ -6,8 +6,8 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
+from contract import ErrorEvent
 from protocols.errors import ProtocolError
-from protocols.internal import ErrorEvent
 
 __all__ = ["OpenAIError", "error_body", "error_response", "from_event", "route_error"]
 

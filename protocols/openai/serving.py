@@ -16,8 +16,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.contract import EngineClient, ModelDirectory
-from protocols.internal import ChatPrompt, GenerateRequest, ModelNotFound, ModelRequired, TextPrompt
+from contract import ChatPrompt, GenerateRequest, ModelNotFound, ModelRequired, TextPrompt
+from contract.client import EngineClient, ModelDirectory
 from protocols.openai.adapters import adapter_cards
 from protocols.openai.encode import (
     ChunkMeta,

@@ -1,4 +1,4 @@
-"""OpenAI request bodies → internal :class:`~protocols.internal.GenerateRequest` s.
+"""OpenAI request bodies → internal :class:`~contract.GenerateRequest` s.
 
 Every refusal is an :class:`OpenAIError` (400) naming the offending parameter.
 """
@@ -9,8 +9,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from protocols.controllers import controller_spec, json_schema_controller
-from protocols.internal import (
+from contract import (
     ChatMessage,
     ChatPrompt,
     ControllerSpec,
@@ -23,6 +22,7 @@ from protocols.internal import (
     ToolCall,
     ToolDefinition,
 )
+from protocols.controllers import controller_spec, json_schema_controller
 from protocols.jsonbody import BodyError, decode_json
 from protocols.openai.errors import OpenAIError
 from protocols.openai.schemas import (

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ErrorEvent,
     Event,

@@ -16,8 +16,8 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.contract import ModelDirectory
-from protocols.internal import ModelNotFound, ModelRequired
+from contract import ModelNotFound, ModelRequired
+from contract.client import ModelDirectory
 from protocols.jsonbody import BodyError, decode_json
 from protocols.openai.errors import OpenAIError, from_event
 from protocols.responses.encode import ResponseMeta, response_events, response_object, sse

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from protocols.controllers import json_schema_controller
-from protocols.internal import (
+from contract import (
     ChatMessage,
     ChatPrompt,
     ControllerSpec,
@@ -23,6 +22,7 @@ from protocols.internal import (
     ToolCall,
     ToolDefinition,
 )
+from protocols.controllers import json_schema_controller
 from protocols.openai.errors import OpenAIError
 from protocols.responses.schemas import ResponsesRequest
 from protocols.tools import ToolChoice, history_call, tool_definitions, tools_controller

@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
+from contract import ControllerSpec, OutputOptions, Sampling
 from protocols.controllers import controller_spec, json_schema_controller, regex_controller
-from protocols.internal import ControllerSpec, OutputOptions, Sampling
 from protocols.jsonbody import BodyError, decode_json
 from protocols.jsonvalues import is_int, is_number
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from protocols.contract import EngineClient, ModelDirectory
-from protocols.internal import (
+from contract import (
     AdapterNotFound,
     EngineUnavailable,
     ErrorEvent,
@@ -15,6 +14,7 @@ from protocols.internal import (
     TextPrompt,
     TokenPrompt,
 )
+from contract.client import EngineClient, ModelDirectory
 from protocols.streams import Peeked, peek
 from protocols.textgen.encode import GenerationFailed, ResponseMeta
 from protocols.textgen.params import Generation

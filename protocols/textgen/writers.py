@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.internal import FinalEvent, PromptEvent, PromptToken, TokenEvent
+from contract import FinalEvent, PromptEvent, PromptToken, TokenEvent
 
 __all__ = ["LMIWriter", "ResponseMeta", "SequenceResult", "TGIWriter", "finish_reason",
            "token_text"]

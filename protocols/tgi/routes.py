@@ -13,7 +13,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocols.contract import EngineClient
+from contract.client import EngineClient
 from protocols.errors import EnvelopeError
 from protocols.spec import options_of
 from protocols.streams import Peeked

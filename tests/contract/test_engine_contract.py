@@ -1,4 +1,4 @@
-"""The engine contract (``protocols.internal``), checked the same way for every engine kind.
+"""The engine contract (``contract``), checked the same way for every engine kind.
 
 Each test runs against the fake kind (in process, behind the real ``EngineHost``) and against
 real vLLM and the pipeline kind through their Ray Serve deployments and the ingress's
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from protocols.contract import EngineClient
-from protocols.internal import (
+from contract import (
     ControllerSpec,
     ErrorEvent,
     Event,
@@ -32,6 +31,7 @@ from protocols.internal import (
     TokenEvent,
     TokenPrompt,
 )
+from contract.client import EngineClient
 from tests.fake_engine import FakeEngine
 
 

@@ -12,8 +12,8 @@ import os
 
 
 async def _run(engine, prompt: str, tokens: int) -> list[int]:
+    from contract import GenerateRequest, Sampling, TextPrompt, TokenEvent
     from engines.host import EngineHost
-    from protocols.internal import GenerateRequest, Sampling, TextPrompt, TokenEvent
 
     request = GenerateRequest(request_id=f"two-nodes-{id(engine)}", model="p",
                               prompt=TextPrompt(text=prompt),

@@ -16,11 +16,11 @@ import httpx
 import msgspec
 import pytest
 
+from contract import Adapter
 from engines.config import Lora, ModelConfig
 from engines.embedded import local_model_dir
 from gateway.config import GatewayConfig
 from gateway.model_routes import model_route
-from protocols.internal import Adapter
 from tests.e2e.conftest import MODEL
 from tests.lora_adapters import save_random_adapter
 from tests.pipeline_models import build_tiny

@@ -219,8 +219,7 @@ async def test_a_backtrack_resubmits_and_the_continuation_equals_one_pass_over_t
     """The engine's own events (no protocol): the controller withdraws the tokens that spell
     the word and forces the replacement; what follows must be what vLLM alone generates,
     greedily, from prompt + kept + forced tokens in one pass (vLLM's own API, no controller)."""
-    from gateway.engine_client import ServeEngineClient
-    from protocols.internal import (
+    from contract import (
         BacktrackEvent,
         ControllerSpec,
         FinalEvent,
@@ -230,6 +229,7 @@ async def test_a_backtrack_resubmits_and_the_continuation_equals_one_pass_over_t
         TextPrompt,
         TokenEvent,
     )
+    from gateway.engine_client import ServeEngineClient
 
     client = ServeEngineClient(engine_handle, MODEL, monitor_interval_s=None)
     request = GenerateRequest(

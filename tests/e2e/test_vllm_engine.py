@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protocols.internal import (
+from contract import (
     ErrorEvent,
     GenerateRequest,
     Sampling,

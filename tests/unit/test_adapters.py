@@ -13,6 +13,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from contract import (
+    Adapter,
+    AdapterInvalid,
+    AdapterNotFound,
+    Capabilities,
+    GenerateRequest,
+    ModelInfo,
+    ModelNotFound,
+    TextPrompt,
+)
 from engines.admission import Refused, check_request
 from engines.config import Lora, ModelConfig
 from engines.lora import check_fits, model_shapes, read_adapter, write_zero_adapter
@@ -24,16 +34,6 @@ from gateway.adapters import AdapterCatalog
 from gateway.app import create_app
 from gateway.config import GatewayConfig, load_config
 from gateway.registry import AdapterEngine, ModelRegistry
-from protocols.internal import (
-    Adapter,
-    AdapterInvalid,
-    AdapterNotFound,
-    Capabilities,
-    GenerateRequest,
-    ModelInfo,
-    ModelNotFound,
-    TextPrompt,
-)
 from tests.fake_engine import FakeEngine
 from tests.recorded_metrics import Recorded
 

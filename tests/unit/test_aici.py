@@ -9,11 +9,7 @@ import json
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
-from protocols.aici.encode import BACKTRACK_MARK, RunMeta, run_objects, sse
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ErrorEvent,
     FinalEvent,
@@ -22,6 +18,10 @@ from protocols.internal import (
     TokenPrompt,
     Usage,
 )
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.registry import ModelRegistry
+from protocols.aici.encode import BACKTRACK_MARK, RunMeta, run_objects, sse
 from tests.fake_engine import FAKE_SPLICE_ID, MAX_MODEL_LEN, FakeEngine
 
 META = RunMeta(id="run-1", model="m", created=7, prompt_tokens=3, controlled=True)

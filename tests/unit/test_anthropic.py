@@ -11,11 +11,11 @@ import httpx
 import httpx2
 import pytest
 
+from contract import ChatPrompt, ErrorEvent, ToolCall
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.keys import ApiKey
 from gateway.registry import ModelRegistry
-from protocols.internal import ChatPrompt, ErrorEvent, ToolCall
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"name": "get_weather", "description": "Weather now", "input_schema": {

@@ -8,6 +8,7 @@ import contextlib
 
 import pytest
 
+from contract import FinalEvent, TokenEvent, Usage
 from engines import channel as channel_module
 from engines.channel import (
     ChannelAddress,
@@ -16,7 +17,6 @@ from engines.channel import (
     ChannelSender,
     ChannelUnreachable,
 )
-from protocols.internal import FinalEvent, TokenEvent, Usage
 
 
 def _final(n: int) -> FinalEvent:

@@ -11,12 +11,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from engines.controllers.base import PreResult
-from engines.controllers.channels import RuntimeReplyError
-from engines.controllers.run import ControlledRun, Segment
-from engines.controllers.runtime import Limits
-from engines.controllers.shm import ChannelFull, ChannelTimeout
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ControllerSpec,
     ErrorEvent,
@@ -28,6 +23,11 @@ from protocols.internal import (
     TextPrompt,
     TokenEvent,
 )
+from engines.controllers.base import PreResult
+from engines.controllers.channels import RuntimeReplyError
+from engines.controllers.run import ControlledRun, Segment
+from engines.controllers.runtime import Limits
+from engines.controllers.shm import ChannelFull, ChannelTimeout
 from tests.controllers import Backtracking, FakeTokenizer, Scripted, WireRuntime, as_wire
 
 EOS = 0

@@ -603,7 +603,7 @@ def test_a_controller_that_raises_while_it_is_built_is_the_requests_error():
 
 
 def test_the_runtime_and_the_rest_api_apply_the_same_tag_rules():
-    from protocols.controller_tags import check_tags
+    from contract.controller_tags import check_tags
 
     rt = _runtime()
     mod = module_id_of(Scripted)

@@ -11,9 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
-from engines.channel import ChannelReceiver, ChannelSender, ChannelUnreachable
-from gateway.engine_client import ServeEngineClient
-from protocols.internal import (
+from contract import (
     EngineUnavailable,
     ErrorEvent,
     FinalEvent,
@@ -23,6 +21,8 @@ from protocols.internal import (
     Usage,
     encode_events,
 )
+from engines.channel import ChannelReceiver, ChannelSender, ChannelUnreachable
+from gateway.engine_client import ServeEngineClient
 
 SECRET = "Traceback ... pid=4242 ip=10.0.0.7 actor_id=abc123"
 

@@ -10,10 +10,7 @@ import json
 import msgspec
 import pytest
 
-from engines import placement
-from engines.config import ModelConfig
-from engines.kinds import ENGINE_KINDS, EngineKind, create_engine
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ControllerSpec,
     ErrorEvent,
@@ -26,6 +23,9 @@ from protocols.internal import (
     TokenEvent,
     Usage,
 )
+from engines import placement
+from engines.config import ModelConfig
+from engines.kinds import ENGINE_KINDS, EngineKind, create_engine
 from tests.fake_engine import FakeEngine
 
 

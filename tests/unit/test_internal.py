@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ChatMessage,
     ChatPrompt,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from protocols.internal import (
+from contract import (
     ErrorEvent,
     FinalEvent,
     PromptEvent,

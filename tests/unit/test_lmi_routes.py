@@ -5,11 +5,11 @@ import json
 import httpx
 import pytest
 
+from contract import TokenPrompt
 from engines.config import ModelConfig
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
-from protocols.internal import TokenPrompt
 from tests.fake_engine import FakeEngine
 from tests.seed_examples import LMI_SEED_ERROR
 
@@ -302,7 +302,7 @@ class _FailsLater(FakeEngine):
             yield event
             count += 1
             if bad and count == 2:
-                from protocols.internal import ErrorEvent
+                from contract import ErrorEvent
                 yield ErrorEvent(kind="engine", message="replica failed")
                 return
 

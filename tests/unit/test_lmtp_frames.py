@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from protocols.internal import FinalEvent, PromptEvent, PromptToken, TokenEvent, TopLogprob, Usage
+from contract import FinalEvent, PromptEvent, PromptToken, TokenEvent, TopLogprob, Usage
 from protocols.lmtp.encode import generate_items, score_items
 from protocols.lmtp.frames import FrameError, format_frame, parse_frame
 from protocols.lmtp.translate import LMTPError, generate_request, score_request

@@ -9,12 +9,7 @@ import time
 import httpx
 import pytest
 
-from engines.config import Autoscaling, ModelConfig
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.local_engine import CloseStreamsWithRequest, LocalEngineClient
-from gateway.registry import ModelRegistry
-from protocols.internal import (
+from contract import (
     ErrorEvent,
     FinalEvent,
     GenerateRequest,
@@ -22,6 +17,11 @@ from protocols.internal import (
     TextPrompt,
     TokenEvent,
 )
+from engines.config import Autoscaling, ModelConfig
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.local_engine import CloseStreamsWithRequest, LocalEngineClient
+from gateway.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 from tests.serve_session import serve_in_thread
 

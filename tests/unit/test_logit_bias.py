@@ -111,8 +111,8 @@ def test_vllm_loads_it_by_name_for_both_runners():
 
 
 def test_the_engine_sends_a_large_bias_packed_and_a_small_one_to_vllm():
+    from contract import GenerateRequest, Sampling, TextPrompt
     from engines.vllm.engine import VLLMEngine
-    from protocols.internal import GenerateRequest, Sampling, TextPrompt
 
     engine = VLLMEngine.__new__(VLLMEngine)  # only what _sampling_params reads
     engine.tokenizer = SimpleNamespace(eos_token_id=2)

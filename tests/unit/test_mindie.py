@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from contract import FinalEvent, TokenEvent, Usage
 from protocols.errors import EnvelopeError
-from protocols.internal import FinalEvent, TokenEvent, Usage
 from protocols.mindie.encode import ResponseMeta, collect_response, sse, stream_events
 from protocols.mindie.validate import to_request
 from tests.seed_examples import MINDIE_SEED_EXAMPLE

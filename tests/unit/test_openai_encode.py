@@ -2,7 +2,7 @@
 
 import json
 
-from protocols.internal import (
+from contract import (
     ErrorEvent,
     FinalEvent,
     PromptEvent,

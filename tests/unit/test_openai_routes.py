@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from protocols.internal import ChatPrompt, TextPrompt, TokenPrompt
+from contract import ChatPrompt, TextPrompt, TokenPrompt
 
 
 def _sse(text: str) -> list:

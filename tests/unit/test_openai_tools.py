@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
+from contract import ChatPrompt, ToolCall
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
-from protocols.internal import ChatPrompt, ToolCall
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"type": "function", "function": {

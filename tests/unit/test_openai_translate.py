@@ -2,7 +2,7 @@
 
 import msgspec
 
-from protocols.internal import TextPrompt, TokenPrompt
+from contract import TextPrompt, TokenPrompt
 from protocols.openai.schemas import ChatCompletionRequest, CompletionRequest
 from protocols.openai.translate import chat_request, completion_requests
 

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from contract import ErrorEvent, FinalEvent, GenerateRequest, Sampling, TextPrompt
 from engines.config import ModelConfig
 from engines.host import EngineHost
 from engines.pipeline.budget import BudgetFull, KVBudget, NeverFits, tokens_for
@@ -15,7 +16,6 @@ from engines.pipeline.engine import PipelineEngine
 from engines.pipeline.loading import load_layers
 from engines.pipeline.stage import StageCore
 from engines.pipeline.stages import LocalStages
-from protocols.internal import ErrorEvent, FinalEvent, GenerateRequest, Sampling, TextPrompt
 
 
 async def test_reservations_wait_in_order_and_give_back():

@@ -12,10 +12,7 @@ import re
 import pytest
 import torch
 
-from engines.config import Controllers
-from engines.host import EngineHost
-from engines.pipeline.engine import PipelineEngine
-from protocols.internal import (
+from contract import (
     ControllerSpec,
     ErrorEvent,
     FinalEvent,
@@ -26,6 +23,9 @@ from protocols.internal import (
     TextPrompt,
     TokenEvent,
 )
+from engines.config import Controllers
+from engines.host import EngineHost
+from engines.pipeline.engine import PipelineEngine
 from tests.pipeline_models import local_pipeline
 
 PROMPT = "The capital of France is"

@@ -10,16 +10,7 @@ from contextlib import aclosing
 import pytest
 import torch
 
-from engines.config import ModelConfig
-from engines.host import EngineHost
-from engines.pipeline.config import PipelineArgs, plan_stages
-from engines.pipeline.engine import PipelineEngine
-from engines.pipeline.loading import load_layers
-from engines.pipeline.sampling import Sampler
-from engines.pipeline.stage import CacheMismatch, StageCore
-from engines.pipeline.stages import LocalStages, Resolved
-from engines.pipeline.text import OutputText
-from protocols.internal import (
+from contract import (
     ErrorEvent,
     FinalEvent,
     GenerateRequest,
@@ -29,6 +20,15 @@ from protocols.internal import (
     TextPrompt,
     TokenEvent,
 )
+from engines.config import ModelConfig
+from engines.host import EngineHost
+from engines.pipeline.config import PipelineArgs, plan_stages
+from engines.pipeline.engine import PipelineEngine
+from engines.pipeline.loading import load_layers
+from engines.pipeline.sampling import Sampler
+from engines.pipeline.stage import CacheMismatch, StageCore
+from engines.pipeline.stages import LocalStages, Resolved
+from engines.pipeline.text import OutputText
 from tests.pipeline_models import local_pipeline
 
 PROMPT = "The capital of France is"

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from contract import ChatMessage, ChatPrompt, GenerateRequest, TextPrompt, TokenPrompt
 from engines.config import ModelConfig, Routing
 from engines.prefix_affinity import (
     BLOCK_CHARS,
@@ -26,7 +27,6 @@ from engines.prefix_affinity import (
     prompt_text,
 )
 from gateway.ingress_router import body_blocks
-from protocols.internal import ChatMessage, ChatPrompt, GenerateRequest, TextPrompt, TokenPrompt
 
 SYSTEM = "You are a careful assistant. " * 20  # about 560 characters: four blocks
 

@@ -65,7 +65,7 @@ def test_scheduling_is_validated():
 
 
 async def test_the_host_holds_generations_to_its_gate_and_their_deadlines():
-    from protocols.internal import FinalEvent, GenerateRequest, Sampling, TextPrompt
+    from contract import FinalEvent, GenerateRequest, Sampling, TextPrompt
     from tests.fake_engine import FakeEngine
 
     engine = FakeEngine(delay=0.02)

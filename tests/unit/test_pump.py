@@ -1,4 +1,4 @@
-"""protocols.pump: several streams read as one, what each of its users relies on."""
+"""contract.pump: several streams read as one, what each of its users relies on."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from protocols.pump import Pump
+from contract.pump import Pump
 
 
 async def _count(n: int, closed: list | None = None, delay: float = 0.0, fail: bool = False):

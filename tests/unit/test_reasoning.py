@@ -13,12 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from engines.controllers.base import ControllerContext, ControllerError, Variables
-from engines.controllers.reasoning import ReasoningController
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
-from protocols.internal import (
+from contract import (
     ChatMessage,
     ChatPrompt,
     ErrorEvent,
@@ -28,6 +23,11 @@ from protocols.internal import (
     TextPrompt,
     TokenEvent,
 )
+from engines.controllers.base import ControllerContext, ControllerError, Variables
+from engines.controllers.reasoning import ReasoningController
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.registry import ModelRegistry
 from tests.controllers import FakeTokenizer, Scripted
 from tests.fake_engine import MARKERS, REASONING_REPLY, FakeEngine
 from tests.fake_engine import FakeTokenizer as CharTokenizer
@@ -126,7 +126,7 @@ async def test_text_a_detokenizer_held_back_is_split_where_it_lands():
 
 
 def _usage(tokens: int):
-    from protocols.internal import Usage
+    from contract import Usage
 
     return Usage(prompt_tokens=1, completion_tokens=tokens)
 

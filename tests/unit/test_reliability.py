@@ -12,16 +12,16 @@ import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig, load_config
-from gateway.keys import ApiKey
-from gateway.registry import ModelRegistry
-from protocols.internal import (
+from contract import (
     EngineUnavailable,
     ErrorEvent,
     GenerateRequest,
     TokenEvent,
 )
+from gateway.app import create_app
+from gateway.config import GatewayConfig, load_config
+from gateway.keys import ApiKey
+from gateway.registry import ModelRegistry
 from protocols.lmtp.session import LMTPLimits, LMTPSession
 from tests.fake_engine import VOCAB, FakeEngine
 

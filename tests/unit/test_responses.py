@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
+from contract import ToolCall
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.registry import ModelRegistry
-from protocols.internal import ToolCall
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather now",

@@ -3,7 +3,7 @@ streams (which can only grow) render what came before and end with an error in t
 
 import pytest
 
-from protocols.internal import (
+from contract import (
     BacktrackEvent,
     ErrorEvent,
     FinalEvent,

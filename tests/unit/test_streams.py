@@ -2,8 +2,8 @@
 
 import asyncio
 
+from contract import ErrorEvent, FinalEvent, TokenEvent, Usage
 from engines.deployment import drain_batches
-from protocols.internal import ErrorEvent, FinalEvent, TokenEvent, Usage
 from protocols.streams import merge, peek, reindexed
 
 

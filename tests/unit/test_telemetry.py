@@ -12,14 +12,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from engines.config import ModelConfig
-from engines.telemetry import CountedHistogram, EngineMetrics
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.keys import ApiKey
-from gateway.registry import ModelRegistry
-from gateway.telemetry import InstrumentedEngine
-from protocols.internal import (
+from contract import (
     ErrorEvent,
     FinalEvent,
     GenerateRequest,
@@ -28,6 +21,13 @@ from protocols.internal import (
     TokenEvent,
     Usage,
 )
+from engines.config import ModelConfig
+from engines.telemetry import CountedHistogram, EngineMetrics
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.keys import ApiKey
+from gateway.registry import ModelRegistry
+from gateway.telemetry import InstrumentedEngine
 from tests.fake_engine import FakeEngine
 from tests.recorded_metrics import Recorded
 

@@ -8,8 +8,8 @@ import copy
 
 import pytest
 
+from contract import ChatMessage, ChatPrompt, ToolCall, ToolDefinition
 from engines.tokens import render_prompt
-from protocols.internal import ChatMessage, ChatPrompt, ToolCall, ToolDefinition
 
 WEATHER = ToolDefinition(name="get_weather", description="Weather now",
                          parameters='{"type": "object", "properties": {"city": {"type": "string"}}}')

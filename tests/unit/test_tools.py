@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from contract import ToolCall, ToolDefinition
 from engines.controllers.base import ControllerContext, Variables
 from engines.controllers.builtin import GuidanceController
-from protocols.internal import ToolCall, ToolDefinition
 from protocols.tools import (
     ArgumentsPiece,
     CallStart,

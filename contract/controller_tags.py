@@ -2,7 +2,7 @@
 and the controller runtime's ``set_tags`` (``engines/controllers/tags.py``).
 
 A neutral module (it imports nothing of this project) that the engines may import, as they do
-``protocols.internal`` (``pyproject.toml``'s import-linter contracts). The rules:
+``contract`` (``pyproject.toml``'s import-linter contracts). The rules:
 ``docs/protocols/aici.md``, "Controller tags".
 """
 

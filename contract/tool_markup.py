@@ -1,5 +1,5 @@
 """Tool calls in the internal model (a chat message's calls, a prompt's tools; re-exported by
-``protocols.internal``), and their markup in a model's output, one block per call
+``contract``), and their markup in a model's output, one block per call
 (docs/protocols/tools.md): the grammar of every protocol's tool calls makes the model write
 it, and engines write earlier calls of a conversation in it where the model's chat template
 knows no tools. Neutral: it imports nothing of this project, so engines and protocols share it."""

@@ -3,7 +3,7 @@
 The one home of "pump a stream into a queue, read it elsewhere, cancel on exit", which the
 engines (several choices or forked branches of one request, a generation re-chunked into
 batches for Ray) and the protocols (several prompts of one request) all need. A neutral module:
-the engines may import it as they import ``protocols.internal`` (``pyproject.toml``'s
+the engines may import it as they import ``contract`` (``pyproject.toml``'s
 import-linter contracts).
 
 What every user relies on:

@@ -1,13 +1,15 @@
 """What protocols may ask of a model's engine (:class:`EngineClient`) and of the gateway's model
 registry (:class:`ModelDirectory`); the events an engine yields and their order are the stream
-contract of ``protocols/internal.py``."""
+contract of ``contract/events.py``."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from protocols.internal import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
+from contract.events import Event
+from contract.models import EngineStats, ModelInfo
+from contract.requests import GenerateRequest, Prompt
 
 __all__ = ["EngineClient", "ModelDirectory"]
 
@@ -15,7 +17,7 @@ __all__ = ["EngineClient", "ModelDirectory"]
 class EngineClient(Protocol):
     """What a protocol may ask of a model's engine. Implemented by every engine.
 
-    ``generate`` yields the events of one request (``protocols/internal.py``'s stream
+    ``generate`` yields the events of one request (``contract/events.py``'s stream
     contract). Cancelling the iteration (client disconnect) must abort the engine request.
     Validation problems are reported as an :class:`ErrorEvent` first, never raised, so
     protocols can answer with a proper status.
