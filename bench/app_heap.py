@@ -25,9 +25,9 @@ import uvicorn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.app import create_app  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
-from gateway.registry import ModelRegistry  # noqa: E402
+from gateway.ingress.asgi import create_app  # noqa: E402
+from gateway.ingress.registry import ModelRegistry  # noqa: E402
 from gateway.serve_env import free_port  # noqa: E402
 from tests.fake_engine import FakeEngine  # noqa: E402
 

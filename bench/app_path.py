@@ -22,10 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.app import create_app  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
-from gateway.local_engine import LocalEngineClient  # noqa: E402
-from gateway.registry import ModelRegistry  # noqa: E402
+from gateway.ingress.asgi import create_app  # noqa: E402
+from gateway.ingress.local_engine import LocalEngineClient  # noqa: E402
+from gateway.ingress.registry import ModelRegistry  # noqa: E402
 from tests import fake_engine  # noqa: E402
 
 _PATH = "/v1/completions"

@@ -37,7 +37,7 @@ from bench.reliability_gateway import (  # noqa: E402
     engine_processes,
 )
 from bench.reliability_load import _burst  # noqa: E402
-from gateway.proxy import MAX_REQUESTS_VAR  # noqa: E402
+from gateway.edge.proxy import MAX_REQUESTS_VAR  # noqa: E402
 
 SETTLE_S = 5.0  # after a burst, before memory is read
 

@@ -8,7 +8,7 @@ measures the gateway against: same engine args as the gateway's replica, one rep
 With ``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1`` in Ray's environment (``bench/servers.py``'s
 ``serve-llm`` targets), the way Ray Serve LLM's users run it since Ray 2.56: the LLM server
 replicas are the ingress themselves behind HAProxy, and its ``LLMRouter`` picks the replica of
-each request for HAProxy (the peer of ``gateway.ingress_router``).
+each request for HAProxy (the peer of ``gateway.model_replica.router``).
 
 Ray Serve LLM sizes its deployments in whole logical CPUs (the engine's placement group, the
 LLM server replica, the OpenAI ingress), more than a 2-core box advertises; ``compare.py``

@@ -216,7 +216,7 @@ def serve_llm(model: str, model_dir: str, overrides: dict, replicas: int = 1,
     HAProxy (its binary, its buffer size), ``router`` "prefix" for its prefix-aware router;
     ``direct`` False: its path before Ray 2.56 (an OpenAI ingress deployment in front of the
     LLM servers). ``place_peer`` gives it the gateway's CPU placement once it is up."""
-    from gateway.haproxy_errors import real_binary
+    from gateway.edge.haproxy_errors import real_binary
 
     app = {"name": "llm", "route_prefix": "/", "import_path": "bench.serve_llm_app:build",
            "args": {"model_id": model, "model_dir": model_dir, "engine_args": overrides,

@@ -58,8 +58,8 @@ async def drain_batches(events: AsyncIterator[Event],
 
 class EngineReplica:
     """Ray Serve replica: the engine contract over the model's engine kind, with events packed
-    as msgpack batches (``gateway.engine_client.ServeEngineClient`` is the other end). A
-    model's own application (``gateway.model_app``) extends it with the protocols' HTTP routes
+    as msgpack batches (``gateway.ingress.engine_client.ServeEngineClient`` is the other end). A
+    model's own application (``gateway.model_replica.ingress``) extends it with the protocols' HTTP routes
     over the same engine."""
 
     def __init__(self, config: ModelConfig):

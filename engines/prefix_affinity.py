@@ -46,7 +46,7 @@ def chat_text(messages: Iterable[tuple[str, str]]) -> str:
     """A chat as routing reads it: each message's role and text content, in order. Tool
     definitions and calls are left out: they change rarely within a conversation, and leaving
     them out keeps the text the same whether it is read from the internal prompt or from a
-    request's raw JSON (``gateway.ingress_router``)."""
+    request's raw JSON (``gateway.model_replica.router``)."""
     return "".join(f"{role}{_ROLE}{content}{_END}" for role, content in messages)
 
 

@@ -1,7 +1,7 @@
 """Prefix-aware routing as Ray Serve's own request router (``RequestRouter``): every handle to
 a model's engine deployment picks a replica with it, in the gateway's ingress replicas (requests
 that take the engine channel) and in the model's ingress request router (requests HAProxy sends
-to the model's own application, ``gateway.ingress_router``). The policy is
+to the model's own application, ``gateway.model_replica.router``). The policy is
 ``engines.prefix_affinity``, the options and the request's prompt ``engines.routing``;
 docs/routing.md.
 

@@ -4,7 +4,7 @@ router asks it (``RouteQuery``), and where a request says its prompt.
 
 Apart from the router class on purpose: Serve pickles the module of a request router by value
 into every process that routes, so a class defined there would be a copy there, and a
-``RouteQuery`` made by ``gateway.ingress_router`` would not be an instance of it.
+``RouteQuery`` made by ``gateway.model_replica.router`` would not be an instance of it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from engines.config import ModelConfig
-from gateway.adapters import AdapterCatalog
-from gateway.keys import ApiKey
+from gateway.ingress.adapters import AdapterCatalog
+from gateway.ingress.keys import ApiKey
 from protocols.catalog import PROTOCOLS
 
 Options = TypeVar("Options")
@@ -28,7 +28,7 @@ with rate limits). ``ingress_num_cpus``
     models: list[ModelConfig] = msgspec.field(default_factory=lambda: [ModelConfig()])
     protocols: list[str] = msgspec.field(default_factory=lambda: list(PROTOCOLS))
     api_key: str | None = None
-    # Several keys, each with its own optional rate limits (gateway.keys.ApiKey); api_key, if
+    # Several keys, each with its own optional rate limits (gateway.ingress.keys.ApiKey); api_key, if
     # set, is one more key without limits.
     api_keys: list[ApiKey] = []
     # The key of the admin API (/gateway/admin/: keys made and deleted at runtime, every key's

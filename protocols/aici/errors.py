@@ -26,7 +26,7 @@ class APIError(ProtocolError):
 
 
 # Marks the gateway's own plain-text errors, which Serve's proxy must pass on as they are (it
-# rewrites the plain-text errors it makes itself: gateway.proxy).
+# rewrites the plain-text errors it makes itself: gateway.edge.proxy).
 SHAPED_HEADER = "x-gateway-shaped"
 
 

@@ -3,7 +3,7 @@
 
 The objects are what ``/v1/files`` and ``/v1/batches`` answer, field for field as OpenAI's
 reference shows them; :class:`BatchService` is what the routes need from whoever keeps files
-and runs batches (the gateway's: ``gateway.batches``), already scoped to the calling key.
+and runs batches (the gateway's: ``gateway.cluster.batches``), already scoped to the calling key.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 :class:`ResponseCache` is the bounded store itself (least recently used dropped first, by the
 bytes its entries encode to); :class:`MemoryStore` serves it in process (tests, one replica). The
-gateway's replicas share one cache in a Ray actor (``gateway/response_store.py``), since a
+gateway's replicas share one cache in a Ray actor (``gateway/cluster/response_store.py``), since a
 conversation's next request may reach any replica of any layout.
 """
 
@@ -23,7 +23,7 @@ class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
     ``context``: the items a response that continues it starts from (its own context, then its
     input, then its output; instructions are not carried over, as in OpenAI's API).
     ``owner``: who may read it back; the gateway fills it with its caller's key digest
-    (``gateway.keys.KeyScopedStore``), empty when it checks no keys."""
+    (``gateway.ingress.keys.KeyScopedStore``), empty when it checks no keys."""
 
     response: dict[str, Any]
     input_items: list[dict[str, Any]]

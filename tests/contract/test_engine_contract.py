@@ -50,7 +50,7 @@ async def engine(request) -> AsyncIterator[Kind]:
     """One client per engine kind: a new kind adds a parameter and a branch here. Serve kinds
     stream over the ingress's channel (the default); ``vllm-over-ray`` as Ray objects."""
     from engines.channel import ChannelReceiver
-    from gateway.engine_client import ServeEngineClient
+    from gateway.ingress.engine_client import ServeEngineClient
 
     receiver = ChannelReceiver()
     if request.param == "fake":

@@ -229,7 +229,7 @@ async def test_a_backtrack_resubmits_and_the_continuation_equals_one_pass_over_t
         TextPrompt,
         TokenEvent,
     )
-    from gateway.engine_client import ServeEngineClient
+    from gateway.ingress.engine_client import ServeEngineClient
 
     client = ServeEngineClient(engine_handle, MODEL, monitor_interval_s=None)
     request = GenerateRequest(

@@ -11,10 +11,10 @@ import httpx
 import pytest
 import websockets
 
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.engine_client import ServeEngineClient
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.engine_client import ServeEngineClient
+from gateway.ingress.registry import ModelRegistry
 from tests.e2e.conftest import MODEL
 from tests.seed_examples import LMI_SEED_ERROR
 from tests.serve_session import serve_in_thread

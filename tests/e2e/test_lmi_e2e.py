@@ -16,10 +16,10 @@ from huggingface_hub import InferenceClient
 from text_generation.errors import ValidationError as TGIValidationError
 
 from engines.config import ModelConfig
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.engine_client import ServeEngineClient
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.engine_client import ServeEngineClient
+from gateway.ingress.registry import ModelRegistry
 from tests.e2e.aborts import drop_stream, engine_stats, wait_for_abort
 from tests.e2e.conftest import MODEL
 from tests.seed_examples import LMI_SEED_ERROR, LMI_SEED_REQUEST

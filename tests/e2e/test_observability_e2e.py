@@ -65,7 +65,7 @@ def metered_url(gateway_url):
     _wait_healthy(url, "the metered gateway")
     # Kept to the session's end, as the other applications are: deleting it reloads HAProxy.
     # (A next module's request got a 408 in CI then; the same 408s came later without a
-    # reload: HAProxy's 2 s wait for a body, since made 60 s, gateway/haproxy_models.py.)
+    # reload: HAProxy's 2 s wait for a body, since made 60 s, gateway/edge/haproxy_models.py.)
     return url
 
 

@@ -22,7 +22,7 @@ import websockets
 from engines.config import ModelConfig
 from engines.embedded import local_model_dir
 from gateway.config import GatewayConfig
-from gateway.keys import ApiKey
+from gateway.ingress.keys import ApiKey
 from gateway.model_routes import model_route
 from tests.e2e.conftest import MODEL
 from tests.e2e.serve_logs import replica_logs
@@ -171,7 +171,7 @@ async def test_lmqls_own_client_connects_with_the_key_in_its_endpoint(faults_url
 
 async def test_overload_is_refused_in_shape_and_the_admitted_requests_finish(faults_url):
     """Twice the ingress limit at once: what the ingress could not admit is refused with 503
-    (by Serve's proxy, gateway.proxy, when it is on the public port), the engine queue the few
+    (by Serve's proxy, gateway.edge.proxy, when it is on the public port), the engine queue the few
     beyond it with 429 (OpenAI's shape, Retry-After on both), the rest stream to the end,
     nothing is a 5xx of another kind, and every engine request is released."""
     burst = 2 * INGRESS_LIMIT
@@ -603,12 +603,12 @@ async def _served_again(c: httpx.AsyncClient, path: str, body: dict) -> float:
 
 async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gateway_url):
     """The gateway application's ingress replica dies with requests in flight on four
-    protocols: Serve's proxy has no answer for them (before gateway.proxy, uvicorn's plain-text
+    protocols: Serve's proxy has no answer for them (before gateway.edge.proxy, uvicorn's plain-text
     500); each client gets a 503 in its own protocol's shape, the engine requests are
     released, and the gateway serves again once Serve replaced the replica. The OpenAI and
     MindIE requests name the model by its alias, so that they take the gateway's route;
     requests naming the model go to its own application and are served throughout (before
-    gateway.ingress_watch knew models' applications, its gate in their replicas refused them).
+    gateway.edge.ingress_watch knew models' applications, its gate in their replicas refused them).
     Last in the module: it restarts the ingress."""
     import ray
 

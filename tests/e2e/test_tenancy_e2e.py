@@ -23,7 +23,7 @@ import pytest
 from engines.config import ModelConfig, Scheduling
 from engines.embedded import local_model_dir
 from gateway.config import GatewayConfig
-from gateway.keys import ApiKey
+from gateway.ingress.keys import ApiKey
 from gateway.model_routes import model_route
 from tests.e2e.conftest import MODEL
 from tests.pipeline_models import build_tiny

@@ -2,9 +2,9 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from tests import fake_engine
 from tests.fake_engine import FakeEngine
 from tests.pipeline_models import build_tiny

@@ -29,11 +29,11 @@ from engines.lora import check_fits, model_shapes, read_adapter, write_zero_adap
 from engines.prefix_affinity import prefix_blocks
 from engines.routing import request_blocks
 from engines.vllm.adapters import lora_engine_args
-from gateway import adapters as catalog_module
-from gateway.adapters import AdapterCatalog
-from gateway.app import create_app
 from gateway.config import GatewayConfig, load_config
-from gateway.registry import AdapterEngine, ModelRegistry
+from gateway.ingress import adapters as catalog_module
+from gateway.ingress.adapters import AdapterCatalog
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import AdapterEngine, ModelRegistry
 from tests.fake_engine import FakeEngine
 from tests.recorded_metrics import Recorded
 

@@ -18,9 +18,9 @@ from contract import (
     TokenPrompt,
     Usage,
 )
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from protocols.aici.encode import BACKTRACK_MARK, RunMeta, run_objects, sse
 from tests.fake_engine import FAKE_SPLICE_ID, MAX_MODEL_LEN, FakeEngine
 

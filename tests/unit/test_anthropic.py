@@ -12,10 +12,10 @@ import httpx2
 import pytest
 
 from contract import ChatPrompt, ErrorEvent, ToolCall
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.keys import ApiKey
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.keys import ApiKey
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"name": "get_weather", "description": "Weather now", "input_schema": {

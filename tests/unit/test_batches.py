@@ -11,14 +11,14 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import create_app
-from gateway.batches.build import batch_sender, store_for
-from gateway.batches.service import BatchHost, LocalBatches
+from gateway.cluster.batches.build import batch_sender, store_for
+from gateway.cluster.batches.service import BatchHost, LocalBatches
+from gateway.cluster.ledger_actor import LocalLedger
 from gateway.config import GatewayConfig
-from gateway.keys import ApiKey
-from gateway.registry import ModelRegistry
-from gateway.tenants.meter import BATCH_TIER, FLUSH_S
-from gateway.tenants.shared import LocalLedger
+from gateway.ingress.asgi import create_app
+from gateway.ingress.keys import ApiKey
+from gateway.ingress.meter import BATCH_TIER, FLUSH_S
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 
 KEYS = [ApiKey(key="alice-key", name="alice"), ApiKey(key="bob-key", name="bob"),

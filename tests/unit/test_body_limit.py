@@ -6,10 +6,10 @@ import json
 import httpx
 import pytest
 
-from gateway import limits
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress import limits
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from protocols.openai.errors import error_body
 from tests.fake_engine import FakeEngine
 

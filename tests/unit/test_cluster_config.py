@@ -18,7 +18,7 @@ from ray.serve.schema import ServeDeploySchema
 from engines.config import Autoscaling, ModelConfig
 from gateway.app import build_app, build_engine_app, build_model_app
 from gateway.config import load_config
-from gateway.model_app import load_model_app
+from gateway.model_replica.ingress import load_model_app
 from gateway.model_routes import model_route
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from contract import (
     encode_events,
 )
 from engines.channel import ChannelReceiver, ChannelSender, ChannelUnreachable
-from gateway.engine_client import ServeEngineClient
+from gateway.ingress.engine_client import ServeEngineClient
 
 SECRET = "Traceback ... pid=4242 ip=10.0.0.7 actor_id=abc123"
 
@@ -137,7 +137,7 @@ class _Clock:
 
 async def test_a_dead_replica_makes_new_requests_fail_fast_until_it_is_back(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr("gateway.engine_client.time", clock)
+    monkeypatch.setattr("gateway.ingress.engine_client.time", clock)
     handle = _Handle()
     handle.responses.append(_Response([encode_events([TOKEN])], error=_Died()))
     client = _client(handle)
@@ -388,7 +388,7 @@ async def test_an_engine_that_cannot_reach_the_channel_falls_back_to_ray(channel
 async def test_the_monitor_asks_serve_only_while_no_stream_delivers(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
-    from gateway.serve_status import SERVE_STATUS
+    from gateway.ingress.serve_status import SERVE_STATUS
 
     # A status thread of its own: the process's one may still be busy with a call an earlier
     # test's client left behind (after the e2e modules this test once waited 10 s for it).
@@ -443,7 +443,7 @@ async def test_an_idle_monitor_waits_for_a_request_and_then_asks_at_once(monkeyp
     """Where no request for the model came for a while (in the default layout the gateway
     application's ingress carries no OpenAI stream), the monitor stops asking Serve every
     interval; health checks do not wake it, the first request does, and it asks at once."""
-    from gateway import replica_monitor
+    from gateway.ingress import replica_monitor
 
     monkeypatch.setattr(replica_monitor, "IDLE_AFTER_S", 0.3)
     handle, asked = _Handle(), []
@@ -482,7 +482,7 @@ async def test_every_models_monitor_shares_one_serve_status_per_tick(monkeypatch
     all of an ingress's models, not one per model."""
     from types import SimpleNamespace
 
-    from gateway import engine_client, serve_status
+    from gateway.ingress import engine_client, serve_status
 
     reads = []
 

@@ -262,9 +262,9 @@ async def test_a_stream_gets_the_splice_refusal_in_its_shape(client_for):
 def client_for():
     import httpx
 
-    from gateway.app import create_app
     from gateway.config import GatewayConfig
-    from gateway.registry import ModelRegistry
+    from gateway.ingress.asgi import create_app
+    from gateway.ingress.registry import ModelRegistry
 
     def make(engine):
         app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig())

@@ -1,7 +1,7 @@
 """HAProxy's own answers in the protocol's shape: Serve's real template rendered by Serve's own
 ``HAProxyApi``, shaped by ``llm-gateway-haproxy``'s rewrite, served by the real HAProxy binary
 (the one ``ray[serve]`` bundles). The oracle is the other layout: the body Serve's proxy gives
-for the same path and status (``gateway/proxy.py``, through the same ``ErrorShapes``)."""
+for the same path and status (``gateway/edge/proxy.py``, through the same ``ErrorShapes``)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import httpx
 import psutil
 import pytest
 
-from gateway import haproxy_errors
-from gateway.haproxy_errors import OWN_MARK, real_binary, shape_config
+from gateway.edge import haproxy_errors
+from gateway.edge.haproxy_errors import OWN_MARK, real_binary, shape_config
 from gateway.serve_env import free_port
 from gateway.shapes import DIED, RESTARTING, ErrorShapes
 
@@ -351,7 +351,7 @@ def test_haproxy_ends_with_the_process_that_started_it_and_frees_the_port(tmp_pa
 
 def test_an_application_with_an_ingress_request_router_is_shaped_into_a_valid_configuration(
         tmp_path):
-    """A model routed by prefix has an ingress request router (gateway/ingress_router.py):
+    """A model routed by prefix has an ingress request router (gateway/model_replica/router.py):
     Serve then renders a second backend per application for the requests its router pinned,
     with no path ACL of its own. The shaped configuration bounds that backend under its
     application's ACL and passes HAProxy's own check."""

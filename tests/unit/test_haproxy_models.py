@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from gateway.haproxy_models import BODY_WAIT_VAR, model_rules
+from gateway.edge.haproxy_models import BODY_WAIT_VAR, model_rules
 from gateway.shapes import NOT_RECEIVED, ErrorShapes
 from tests.unit.test_haproxy_errors import _ServesProxy, start_haproxy
 

@@ -7,9 +7,9 @@ import pytest
 
 from contract import TokenPrompt
 from engines.config import ModelConfig
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 from tests.seed_examples import LMI_SEED_ERROR
 

@@ -5,9 +5,9 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 
 

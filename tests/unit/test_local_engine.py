@@ -18,10 +18,10 @@ from contract import (
     TokenEvent,
 )
 from engines.config import Autoscaling, ModelConfig
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.local_engine import CloseStreamsWithRequest, LocalEngineClient
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.local_engine import CloseStreamsWithRequest, LocalEngineClient
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 from tests.serve_session import serve_in_thread
 

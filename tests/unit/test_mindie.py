@@ -240,9 +240,9 @@ async def test_route_probes(client):
 async def test_aliases_resolve_for_hard_coded_model_names(engine):
     import httpx
 
-    from gateway.app import create_app
     from gateway.config import GatewayConfig
-    from gateway.registry import ModelRegistry
+    from gateway.ingress.asgi import create_app
+    from gateway.ingress.registry import ModelRegistry
 
     app = create_app(ModelRegistry({"fake-model": engine}, {"ensemble": "fake-model"}),
                      GatewayConfig())

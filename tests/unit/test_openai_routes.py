@@ -257,9 +257,9 @@ async def test_health_version_metrics(client):
 async def test_api_key_required_when_configured(engine):
     import httpx
 
-    from gateway.app import create_app
     from gateway.config import GatewayConfig
-    from gateway.registry import ModelRegistry
+    from gateway.ingress.asgi import create_app
+    from gateway.ingress.registry import ModelRegistry
 
     app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig(api_key="s3cret"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:
@@ -303,9 +303,9 @@ async def test_prompt_lists_times_n_are_bounded_by_max_fanout(engine):
     """Issue 15: a prompt list of 2,000 (x n up to 128) used to start every engine request."""
     import httpx
 
-    from gateway.app import create_app
     from gateway.config import GatewayConfig
-    from gateway.registry import ModelRegistry
+    from gateway.ingress.asgi import create_app
+    from gateway.ingress.registry import ModelRegistry
 
     app = create_app(ModelRegistry({"fake-model": engine}), GatewayConfig(max_fanout=6))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as c:

@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from contract import ChatPrompt, ToolCall
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"type": "function", "function": {

@@ -1,5 +1,5 @@
 """Prefix-aware routing's policy (engines/prefix_affinity.py) and HAProxy's router's reading of
-request bodies (gateway/ingress_router.py): keys that name whole prefixes, a conversation kept
+request bodies (gateway/model_replica/router.py): keys that name whole prefixes, a conversation kept
 on the replica that holds its history unless that replica is too loaded, a hot prefix spread
 once its replica is, dead replicas forgotten, and the same keys from a raw body as from the
 internal prompt the protocol makes of it."""
@@ -26,7 +26,7 @@ from engines.prefix_affinity import (
     prefix_blocks,
     prompt_text,
 )
-from gateway.ingress_router import body_blocks
+from gateway.model_replica.router import body_blocks
 
 SYSTEM = "You are a careful assistant. " * 20  # about 560 characters: four blocks
 

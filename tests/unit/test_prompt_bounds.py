@@ -25,8 +25,8 @@ from engines.embedded import local_model_dir
 from engines.host import INLINE_CHARS
 from engines.offload import Busy, Offload
 from engines.tokens import prompt_char_limit
-from gateway.app import create_app
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import MAX_MODEL_LEN, FakeEngine, FakeModel
 
 LIMIT = 4 * MAX_MODEL_LEN  # characters; the fake tokenizer makes one token per character

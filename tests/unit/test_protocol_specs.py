@@ -12,9 +12,9 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from engines.embedded import EMBEDDED_MODEL_NAME
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from protocols.catalog import PROTOCOLS, load_spec
 from tests.fake_engine import FakeEngine
 

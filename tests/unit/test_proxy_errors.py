@@ -1,4 +1,4 @@
-"""The proxy middleware (``gateway.proxy``) around stand-ins for what Serve's proxy does: no
+"""The proxy middleware (``gateway.edge.proxy``) around stand-ins for what Serve's proxy does: no
 response at all (the ingress died), plain-text errors (timeout, back-pressure), and normal
 answers that must pass through unchanged. The real proxy is exercised in
 ``tests/e2e/test_reliability_e2e.py`` (an ingress replica killed mid-request)."""
@@ -10,7 +10,7 @@ import pytest
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from gateway.proxy import ProxyErrorShape, middlewares
+from gateway.edge.proxy import ProxyErrorShape, middlewares
 
 
 def _client(inner) -> httpx.AsyncClient:
@@ -137,7 +137,7 @@ def test_in_serves_stack_the_error_shaping_is_outermost():
     what the gate answers (the gate's own failure included)."""
     from ray.serve._private.http_util import _apply_middlewares
 
-    from gateway.proxy import ProxyGate
+    from gateway.edge.proxy import ProxyGate
 
     app = _apply_middlewares(_silent, middlewares())
     assert isinstance(app, ProxyErrorShape) and isinstance(app.app, ProxyGate)

@@ -1,5 +1,5 @@
-"""The proxy's refusals before any Ray call (``gateway.proxy.ProxyGate`` over
-``gateway.ingress_watch``): an application whose ingress has no replica, and a proxy at its
+"""The proxy's refusals before any Ray call (``gateway.edge.proxy.ProxyGate`` over
+``gateway.edge.ingress_watch``): an application whose ingress has no replica, and a proxy at its
 in-flight bound. The watch reads a stand-in for Serve; the real one is read in
 ``tests/e2e/test_reliability_e2e.py`` (the ingress replica killed)."""
 
@@ -12,8 +12,8 @@ import httpx
 import pytest
 from starlette.responses import JSONResponse
 
-from gateway.ingress_watch import IngressWatch, Reading, app_of, read_serve
-from gateway.proxy import ProxyErrorShape, ProxyGate
+from gateway.edge.ingress_watch import IngressWatch, Reading, app_of, read_serve
+from gateway.edge.proxy import ProxyErrorShape, ProxyGate
 
 PREFIXES = (("/pipeline", "pipeline"), ("/", "gateway"))
 
@@ -203,8 +203,8 @@ async def test_probes_are_answered_from_the_last_answer_while_a_fresh_one_is_fet
 async def test_generations_beyond_what_the_ingress_can_admit_are_refused_at_the_proxy():
     """The ingress says on each answer how many generations it sends its models at most; the
     proxy refuses POSTs beyond that (plus a few) itself, and the client never sees the header."""
-    from gateway.limits import CAPACITY_HEADER, CapacityHeader
-    from gateway.proxy import _SLACK
+    from gateway.edge.proxy import _SLACK
+    from gateway.ingress.limits import CAPACITY_HEADER, CapacityHeader
 
     release = asyncio.Event()
     serve = _Serve()
@@ -235,7 +235,7 @@ async def test_with_no_news_from_serve_an_old_death_stops_being_refused():
 
 
 async def test_probe_answers_never_carry_the_capacity_and_only_probe_paths_are_cached():
-    from gateway.limits import CAPACITY_HEADER, CapacityHeader
+    from gateway.ingress.limits import CAPACITY_HEADER, CapacityHeader
 
     serve = _Serve()
     async with _client(CapacityHeader(_app(), capacity=4), serve) as c:
@@ -249,7 +249,7 @@ async def test_probe_answers_never_carry_the_capacity_and_only_probe_paths_are_c
 
 
 def test_a_models_own_application_is_read_with_its_engine_replicas(monkeypatch):
-    """A model's own application serves HTTP from its engine replicas (gateway.model_app): the
+    """A model's own application serves HTTP from its engine replicas (gateway.model_replica.ingress): the
     watch counts those, so a request for it is not taken for one of the gateway's at '/' (its
     replicas answered the gateway's outage with 503s before)."""
     import ray
@@ -280,7 +280,7 @@ def test_a_models_own_application_is_read_with_its_engine_replicas(monkeypatch):
 def test_a_replicas_own_http_server_gets_the_error_shaping_only(monkeypatch):
     """Serve calls the proxy callback in its proxy actor and in every replica's own HTTP server
     (direct ingress, behind HAProxy): the gate, whose watch polls Serve, only in the proxy."""
-    import gateway.proxy as proxy
+    import gateway.edge.proxy as proxy
 
     assert not proxy._in_replica()  # a test process is no Serve replica
     assert [m.cls for m in proxy.middlewares()] == [ProxyGate, ProxyErrorShape]
@@ -291,7 +291,7 @@ def test_a_replicas_own_http_server_gets_the_error_shaping_only(monkeypatch):
 async def test_the_error_shaping_keeps_the_capacity_header_from_clients():
     """In a replica's own server (direct ingress) no gate takes the ingress's capacity header
     off: the error shaping does, on every answer."""
-    from gateway.limits import CAPACITY_HEADER
+    from gateway.ingress.limits import CAPACITY_HEADER
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,

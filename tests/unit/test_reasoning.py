@@ -25,9 +25,9 @@ from contract import (
 )
 from engines.controllers.base import ControllerContext, ControllerError, Variables
 from engines.controllers.reasoning import ReasoningController
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from tests.controllers import FakeTokenizer, Scripted
 from tests.fake_engine import MARKERS, REASONING_REPLY, FakeEngine
 from tests.fake_engine import FakeTokenizer as CharTokenizer

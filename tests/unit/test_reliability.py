@@ -18,10 +18,10 @@ from contract import (
     GenerateRequest,
     TokenEvent,
 )
-from gateway.app import create_app
 from gateway.config import GatewayConfig, load_config
-from gateway.keys import ApiKey
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.keys import ApiKey
+from gateway.ingress.registry import ModelRegistry
 from protocols.lmtp.session import LMTPLimits, LMTPSession
 from tests.fake_engine import VOCAB, FakeEngine
 

@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from contract import ToolCall
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather now",

@@ -9,10 +9,10 @@ import openai
 import pytest
 
 from contract import ToolCall
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.keys import ApiKey
-from gateway.registry import ModelRegistry
+from gateway.ingress.asgi import create_app
+from gateway.ingress.keys import ApiKey
+from gateway.ingress.registry import ModelRegistry
 from protocols.responses.store import MemoryStore, ResponseCache, StoredResponse, encode
 from tests.fake_engine import FakeEngine
 from tests.unit.test_responses import CALL, WEATHER

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import haproxy_errors, serve_env
+from gateway import serve_env
+from gateway.edge import haproxy_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The request series and request ids (gateway/telemetry.py) over the fake engine, with a
+"""The request series and request ids (gateway/ingress/telemetry.py) over the fake engine, with a
 recording stand-in for ``ray.util.metrics`` (the real one: tests/e2e/test_observability_e2e.py,
 through a real Prometheus)."""
 
@@ -23,11 +23,11 @@ from contract import (
 )
 from engines.config import ModelConfig
 from engines.telemetry import CountedHistogram, EngineMetrics
-from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.keys import ApiKey
-from gateway.registry import ModelRegistry
-from gateway.telemetry import InstrumentedEngine
+from gateway.ingress.asgi import create_app
+from gateway.ingress.keys import ApiKey
+from gateway.ingress.registry import ModelRegistry
+from gateway.ingress.telemetry import InstrumentedEngine
 from tests.fake_engine import FakeEngine
 from tests.recorded_metrics import Recorded
 

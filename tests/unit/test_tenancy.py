@@ -9,13 +9,13 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import create_app
+from gateway.cluster.ledger import LEASE_S, Charge, Ledger, Limits
+from gateway.cluster.ledger_actor import LocalLedger
 from gateway.config import GatewayConfig, load_config
-from gateway.keys import ApiKey
-from gateway.registry import ModelRegistry
-from gateway.tenants.ledger import LEASE_S, Charge, Ledger, Limits
-from gateway.tenants.meter import FLUSH_S, KeyState, TenantMeter, priority_of
-from gateway.tenants.shared import LocalLedger
+from gateway.ingress.asgi import create_app
+from gateway.ingress.keys import ApiKey
+from gateway.ingress.meter import FLUSH_S, KeyState, TenantMeter, priority_of
+from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 from tests.recorded_metrics import Recorded
 
@@ -222,7 +222,7 @@ async def test_usage_per_key_counts_exact_tokens_per_model_and_protocol():
 # --- the admin API ------------------------------------------------------------------------------
 
 async def test_keys_made_by_the_admin_work_everywhere_and_stop_when_deleted(monkeypatch):
-    from gateway import keys as key_module
+    from gateway.ingress import keys as key_module
 
     monkeypatch.setattr(key_module, "REFRESH_S", 0.0)
     ledger = LocalLedger()

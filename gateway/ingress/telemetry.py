@@ -37,7 +37,7 @@ from engines.telemetry import (
     Levels,
     ray_metrics,
 )
-from gateway.registry import EngineWrapper
+from gateway.ingress.registry import EngineWrapper
 
 __all__ = ["CLIENT_ID_PATTERN", "MAX_KEY_LABELS", "GatewayMetrics", "InstrumentedEngine",
            "RequestRecord", "RequestTelemetry", "bounded_label", "current_record",
@@ -53,7 +53,7 @@ MAX_KEY_LABELS = 64
 # Content types of responses that stream (SSE, JSON lines): TTFT and ITL are measured for these.
 STREAM_TYPES = (b"text/event-stream", b"application/jsonlines", b"application/x-ndjson")
 # A client's id is kept when it is short and plain (it goes into headers and log lines);
-# HAProxy's rules check the same pattern (gateway/haproxy_errors.py).
+# HAProxy's rules check the same pattern (gateway/edge/haproxy_errors.py).
 CLIENT_ID_PATTERN = r"[A-Za-z0-9._:/+=@-]{1,128}"
 _CLIENT_ID = re.compile(CLIENT_ID_PATTERN)
 # Why a response was refused, by status, when nothing named a reason.

@@ -1,6 +1,6 @@
 """HAProxy rules that send a request naming a model straight to that model's own application.
 
-Each model served by its own application (``gateway.model_app``) has the route prefix
+Each model served by its own application (``gateway.model_replica.ingress``) has the route prefix
 ``/model/<name>``, which Serve renders into HAProxy's configuration. For every such prefix,
 :func:`model_rules` gives ``http-request`` rules that read the model a request names (the JSON
 body's top-level ``model`` on the paths a protocol declares in ``ProtocolSpec.model_in_body``,

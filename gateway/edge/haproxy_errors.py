@@ -14,8 +14,8 @@ socket work as before. The rewrite sets, per request, which protocol owns the pa
 of :class:`~gateway.shapes.ErrorShapes`, as HAProxy ACLs), and answers each of HAProxy's own
 errors with that protocol's body from a map file (``<status>.map``: protocol name -> body),
 with ``Retry-After`` where retrying helps; a request naming a model that has its own
-application goes straight to it (``gateway.haproxy_models``). A replica that died before
-answering is a 503, as in the layout with Serve's proxy (``gateway/proxy.py``); for that, each
+application goes straight to it (``gateway.edge.haproxy_models``). A replica that died before
+answering is a 503, as in the layout with Serve's proxy (``gateway/edge/proxy.py``); for that, each
 request gets a connection to its replica of its own (:data:`_ONE_REQUEST_PER_CONNECTION`), and
 request bodies are not spliced, so that a client that leaves closes its replica's connection
 too.
@@ -34,10 +34,10 @@ import sys
 
 import msgspec
 
-from gateway.haproxy_models import BODY_WAIT_VAR, DEFAULT_BODY_WAIT_S, model_rules
-from gateway.proxy import FULL, max_requests_from_env, positive_int_from_env
+from gateway.edge.haproxy_models import BODY_WAIT_VAR, DEFAULT_BODY_WAIT_S, model_rules
+from gateway.edge.proxy import FULL, max_requests_from_env, positive_int_from_env
+from gateway.ingress.telemetry import CLIENT_ID_PATTERN
 from gateway.shapes import DIED, NOT_RECEIVED, RESTARTING, TIMED_OUT, ErrorShapes
-from gateway.telemetry import CLIENT_ID_PATTERN
 
 __all__ = ["OWN_ERRORS", "OwnError", "main", "owner_rules", "real_binary", "shape_config",
            "write_tables"]
@@ -151,7 +151,7 @@ _VIA_ROUTER = "-via-ingress-request-router"
 
 def _bound_rules(backends: dict[str, int], tables: str) -> list[str]:
     """Generations (POSTs) beyond what an application's ingress replicas admit get a 503 from
-    HAProxy at once, as Serve's proxy's gate gives them (``gateway/proxy.py``): under a burst
+    HAProxy at once, as Serve's proxy's gate gives them (``gateway/edge/proxy.py``): under a burst
     of 2,000 the ingress itself spent 1.2 ms of its event loop on each refusal, and probes
     queued behind them for 3-4 s. ``backends``: backend -> ingress replicas in it."""
     per_replica = max_requests_from_env()
@@ -165,7 +165,7 @@ def _bound_rules(backends: dict[str, int], tables: str) -> list[str]:
 def _app_backend(name: str) -> str:
     """The application backend whose path ACL (``is_<name>``) a backend's requests match: its
     own, or for the backend Serve adds to an application with an ingress request router
-    (``gateway.ingress_router``), its application's. The ingress replicas are the same."""
+    (``gateway.model_replica.router``), its application's. The ingress replicas are the same."""
     return name.removesuffix(_VIA_ROUTER)
 
 
@@ -210,7 +210,7 @@ def _response_rules(tables: str, shapes: ErrorShapes) -> list[str]:
 # connection before answering, which is what a replica that died leaves behind: kept-alive
 # connections to replicas turned "the replica died, retry" into a dropped connection.
 _ONE_REQUEST_PER_CONNECTION = "option http-server-close"
-# A request an ingress request router pinned to a replica (gateway/ingress_router.py) may reach
+# A request an ingress request router pinned to a replica (gateway/model_replica/router.py) may reach
 # one that died a moment before: for a second or so after its actor is dead its port still
 # accepts, then resets (HAProxy's "SH", measured), before health checks mark it down. Nothing
 # was received from it, so HAProxy sends the request again, to another replica (Serve's
@@ -228,7 +228,7 @@ _NOT_FOUND = re.compile(r"^\s*http-request return status 404 ")
 # Serve's proxy on this node: it knows every application's routes, also while one is being
 # redeployed, when Serve leaves the application out of HAProxy's routes until its new version
 # is built (requests for it got HAProxy's 404, 9 in 750 during a `serve deploy` under load);
-# for a path no application has, it answers the 404 itself, in shape (gateway/proxy.py).
+# for a path no application has, it answers the 404 itself, in shape (gateway/edge/proxy.py).
 _TO_SERVES_PROXY = "server serve_proxy 127.0.0.1:{port}"
 
 

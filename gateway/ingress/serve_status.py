@@ -1,5 +1,5 @@
 """Serve's status, read once per monitor tick for every model's engine client in a process
-(``gateway.engine_client``: the monitor that notices a dead replica while no stream runs)."""
+(``gateway.ingress.engine_client``: the monitor that notices a dead replica while no stream runs)."""
 
 from __future__ import annotations
 

@@ -11,13 +11,13 @@ import asyncio
 
 from starlette.exceptions import HTTPException
 
-from gateway.telemetry import refused_for
+from gateway.ingress.telemetry import refused_for
 
 __all__ = ["CAPACITY_HEADER", "REPLICA_HEADER", "Admission", "BodySizeLimit", "CapacityHeader",
            "ResponseHeader", "route_path"]
 
 # The generations one ingress replica sends its models at most, on each of its answers: Serve's
-# proxy refuses the excess of a burst before any Ray call (gateway.proxy.ProxyGate), and takes
+# proxy refuses the excess of a burst before any Ray call (gateway.edge.proxy.ProxyGate), and takes
 # the header off before the client sees it.
 CAPACITY_HEADER = b"x-gateway-capacity"
 # On every answer of a model's own replica (HAProxy sends a request naming the model there):

@@ -2,7 +2,7 @@
 
 When the only ingress replica of an application dies, Serve's proxy keeps every new request in
 its router until Serve has started a replacement (6-9 s on the 2-core box, measured with a
-``kill -9``), and Ray Serve has no bound on that wait. The proxy middleware (``gateway.proxy``)
+``kill -9``), and Ray Serve has no bound on that wait. The proxy middleware (``gateway.edge.proxy``)
 asks this watch instead and refuses such requests at once with a 503 in the protocol's shape.
 
 Two sources, read together every ``interval_s`` while requests arrive: Serve's controller (the
@@ -44,7 +44,7 @@ class Reading(msgspec.Struct, frozen=True):
 
 def _ingress_deployment(prefix: str | None) -> str:
     """The HTTP deployment of the application at ``prefix``: a model's own application serves
-    HTTP from its engine replicas (gateway.model_app), the gateway's from its ingress."""
+    HTTP from its engine replicas (gateway.model_replica.ingress), the gateway's from its ingress."""
     model = None if prefix is None else model_of_route(prefix)
     return INGRESS_DEPLOYMENT if model is None else engine_deployment(model)
 

@@ -8,7 +8,7 @@ requests (slots held by a named holder, an ingress process, and dropped when its
 and a token budget per day or month. Usage is kept per UTC day, key, model and protocol.
 
 Plain Python, one thread: the cluster's instance lives in a named Ray actor
-(``gateway.tenants.shared``); a gateway without Ray (unit tests) holds one in its process.
+(``gateway.cluster.ledger_actor``); a gateway without Ray (unit tests) holds one in its process.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ Reason = Literal["", "requests", "tokens", "concurrency", "budget"]
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True):
-    """One key's limits as the ledger applies them (``gateway.keys.ApiKey`` declares them)."""
+    """One key's limits as the ledger applies them (``gateway.ingress.keys.ApiKey`` declares them)."""
 
     requests_per_s: float | None = None
     requests_per_min: int | None = None
@@ -101,7 +101,7 @@ class UsageRow(msgspec.Struct, frozen=True, kw_only=True):
 
 class KeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A key made through the admin API: its digest (the key itself is never kept) and its
-    policy (``gateway.keys.ApiKey`` fields but ``key``)."""
+    policy (``gateway.ingress.keys.ApiKey`` fields but ``key``)."""
 
     digest: str
     policy: dict

@@ -20,7 +20,7 @@ from contract import (
     Prompt,
 )
 from contract.client import EngineClient
-from gateway.adapters import AdapterCatalog
+from gateway.ingress.adapters import AdapterCatalog
 
 __all__ = ["AdapterEngine", "EngineWrapper", "ModelRegistry"]
 

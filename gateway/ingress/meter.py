@@ -24,15 +24,15 @@ import msgspec
 
 from contract import ErrorEvent, Event, FinalEvent, GenerateRequest, TokenEvent
 from contract.client import EngineClient
-from gateway.registry import EngineWrapper
-from gateway.telemetry import (
+from gateway.cluster.ledger import Charge, Grant, KeyRecord, Limits, UsageRow
+from gateway.ingress.registry import EngineWrapper
+from gateway.ingress.telemetry import (
     MAX_KEY_LABELS,
     GatewayMetrics,
     bounded_label,
     current_record,
     refused_for,
 )
-from gateway.tenants.ledger import Charge, Grant, KeyRecord, Limits, UsageRow
 
 __all__ = ["BATCH_TIER", "FLUSH_S", "KeyState", "LedgerPort", "MeteredEngine", "TenantMeter",
            "current_key", "priority_of"]
@@ -47,7 +47,7 @@ TIER_SPAN, OWN_SPAN = 1000, 100  # priority = tier * 1000 + own (0-9) * 100 + sh
 
 
 class LedgerPort(Protocol):
-    """The ledger's calls (``gateway.tenants.shared``: in process or the cluster's actor)."""
+    """The ledger's calls (``gateway.cluster.ledger_actor``: in process or the cluster's actor)."""
 
     async def admit(self, key: str, limits: Limits, holder: str) -> Grant: ...
     async def release(self, key: str, slot: int) -> None: ...

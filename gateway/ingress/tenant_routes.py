@@ -16,9 +16,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from gateway.keys import KeyPolicy, current_key, key_id
-from gateway.tenants.ledger import KeyRecord
-from gateway.tenants.meter import TenantMeter
+from gateway.cluster.ledger import KeyRecord
+from gateway.ingress.keys import KeyPolicy, current_key, key_id
+from gateway.ingress.meter import TenantMeter
 
 __all__ = ["tenancy_router"]
 

@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from contract import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
 from engines.config import ModelConfig
 from engines.host import EngineHost
-from gateway.engine_client import overloaded, with_default_deadline
+from gateway.ingress.engine_client import overloaded, with_default_deadline
 
 __all__ = ["CloseStreamsWithRequest", "LocalEngineClient"]
 

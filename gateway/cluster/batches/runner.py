@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from gateway.batches.store import ACTIVE, BatchStore, StoredBatch, Tenant
+from gateway.cluster.batches.store import ACTIVE, BatchStore, StoredBatch, Tenant
 from protocols.openai.batch_objects import BatchObject, LineProblem, LineRequest, RequestCounts
 
 __all__ = ["ATTEMPTS", "BatchRunner", "Send"]

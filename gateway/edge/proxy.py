@@ -7,13 +7,13 @@ Error``; a proxy timeout is a plain-text 408; back-pressure or no ingress replic
 503. No protocol client parses those. These middlewares run in the proxy process, installed
 with
 
-    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=gateway.proxy:middlewares
+    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=gateway.edge.proxy:middlewares
 
 in the environment Ray starts with (``scripts/serve.sh``, the test session, ``cluster.yaml``).
 
 :class:`ProxyGate` refuses, at once and without reading the body: requests for an application
 whose ingress has no replica (Serve would hold them until a replacement started;
-``gateway.ingress_watch``), and requests beyond ``LLM_GATEWAY_PROXY_MAX_REQUESTS`` in flight
+``gateway.edge.ingress_watch``), and requests beyond ``LLM_GATEWAY_PROXY_MAX_REQUESTS`` in flight
 through this proxy (a burst's excess costs the proxy no Ray call; docs/reliability.md).
 
 A response that has started is left alone: if the ingress dies mid-stream the chunked body
@@ -30,8 +30,8 @@ import time
 
 from starlette.middleware import Middleware
 
-from gateway.ingress_watch import IngressWatch
-from gateway.limits import CAPACITY_HEADER
+from gateway.edge.ingress_watch import IngressWatch
+from gateway.ingress.limits import CAPACITY_HEADER
 from gateway.shapes import DIED, RESTARTING, TIMED_OUT, ErrorShapes
 
 __all__ = ["FULL", "MAX_REQUESTS_VAR", "ProxyErrorShape", "ProxyGate", "max_requests_from_env",
@@ -346,7 +346,7 @@ def middlewares() -> list[Middleware]:
     its app in them in list order, so the last is outermost: the error shaping sees whatever the
     gate and Serve answer. A replica's own server gets the error shaping only: the gate's
     questions are moot there (a request that reached a replica has its application's ingress,
-    and HAProxy bounds what is in flight, gateway.haproxy_errors), while its watch asked Serve's
+    and HAProxy bounds what is in flight, gateway.edge.haproxy_errors), while its watch asked Serve's
     controller and the GCS twice a second under load and it wrapped every streamed chunk
     (docs/benchmarks.md, "The gate in the replicas")."""
     shapes = ErrorShapes.of_every_protocol()

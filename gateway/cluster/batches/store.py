@@ -22,7 +22,7 @@ from typing import Literal, TypeVar
 
 import msgspec
 
-from gateway.cluster_state import write_atomically
+from gateway.cluster.state import write_atomically
 from protocols.openai.batch_objects import (
     BATCH_ENDPOINTS,
     BatchObject,

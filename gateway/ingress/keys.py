@@ -5,13 +5,14 @@
 (``Authorization: Bearer <key>``, any case of the scheme, ``api-key: <key>`` or Anthropic's
 ``x-api-key: <key>``; websockets may give ``?api_key=`` instead, because LMQL's LMTP client
 sends no headers). A key with limits is admitted by the cluster's ledger
-(``gateway.tenants``): refused with 429, ``Retry-After`` and the protocol's rate-limit headers,
-or admitted holding a concurrency slot until its response ends. The caller's
-:class:`~gateway.tenants.meter.KeyState` is then the current one for the request; the engines'
+(``gateway.ingress.meter``, ``gateway.cluster.ledger``): refused with 429, ``Retry-After`` and
+the protocol's rate-limit headers, or admitted holding a concurrency slot until its response
+ends. The caller's
+:class:`~gateway.ingress.meter.KeyState` is then the current one for the request; the engines'
 ``MeteredEngine`` holds its generations to the key's models, tier and token limits.
 
 Keys come from the config (``api_keys``, ``api_key``) and from the admin API (``admin_key``;
-``gateway.tenants.admin``), which stores only a key's digest in the ledger; the ones made there
+``gateway.ingress.tenant_routes``), which stores only a key's digest in the ledger; the ones made there
 are seen by every replica within :data:`REFRESH_S`.
 """
 
@@ -26,10 +27,10 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from gateway.limits import route_path
-from gateway.telemetry import refused_for
-from gateway.tenants.ledger import Grant, KeyRecord, Limits
-from gateway.tenants.meter import BATCH_TIER, KeyState, TenantMeter, current_key
+from gateway.cluster.ledger import Grant, KeyRecord, Limits
+from gateway.ingress.limits import route_path
+from gateway.ingress.meter import BATCH_TIER, KeyState, TenantMeter, current_key
+from gateway.ingress.telemetry import refused_for
 from protocols.responses.store import ResponseStore, StoredResponse
 
 __all__ = ["ADMIN_PREFIX", "ApiKey", "KeyAuth", "KeyPolicy", "KeyScopedStore", "current_key",

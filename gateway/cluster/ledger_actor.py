@@ -1,6 +1,6 @@
 """Where the ledger lives (docs/tenancy.md, "One ledger for the cluster").
 
-:class:`LocalLedger` holds a :class:`~gateway.tenants.ledger.Ledger` in this process (a gateway
+:class:`LocalLedger` holds a :class:`~gateway.cluster.ledger.Ledger` in this process (a gateway
 without Ray, unit tests). :class:`RayLedger` reaches the cluster's: one named, detached Ray actor
 on the head node, started by the first process that needs it, which writes its usage, budgets
 and admin keys to ``<state_directory>/ledger.json`` (at most once a second, atomically) and
@@ -20,8 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gateway.cluster_state import named_actor, write_atomically
-from gateway.tenants.ledger import Charge, Grant, KeyRecord, Ledger, Limits, UsageRow
+from gateway.cluster.ledger import Charge, Grant, KeyRecord, Ledger, Limits, UsageRow
+from gateway.cluster.state import named_actor, write_atomically
 
 __all__ = ["ACTOR_NAME", "CALL_TIMEOUT_S", "LocalLedger", "RayLedger"]
 

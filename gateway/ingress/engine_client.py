@@ -46,8 +46,8 @@ from contract import (
 )
 from engines.callers import Caller, current_caller
 from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
-from gateway.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
-from gateway.serve_status import SERVE_STATUS
+from gateway.ingress.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
+from gateway.ingress.serve_status import SERVE_STATUS
 
 __all__ = ["ServeEngineClient", "overloaded", "with_default_deadline"]
 

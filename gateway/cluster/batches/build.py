@@ -8,11 +8,11 @@ from typing import Any
 
 import msgspec
 
-from gateway.batches.runner import Send
-from gateway.batches.service import ACTOR_NAME, NAMESPACE, BatchHost, app_sender
-from gateway.batches.store import BatchStore
-from gateway.registry import ModelRegistry
-from gateway.tenants.meter import LedgerPort, MeteredEngine, TenantMeter
+from gateway.cluster.batches.runner import Send
+from gateway.cluster.batches.service import ACTOR_NAME, NAMESPACE, BatchHost, app_sender
+from gateway.cluster.batches.store import BatchStore
+from gateway.ingress.meter import LedgerPort, MeteredEngine, TenantMeter
+from gateway.ingress.registry import ModelRegistry
 
 __all__ = ["batch_sender", "cluster_host", "store_for"]
 
@@ -30,7 +30,7 @@ def batch_sender(registry: ModelRegistry, config: Any, ledger: LedgerPort,
                  **app_options: Any) -> Send:
     """Lines sent through a gateway app of the batch host's own: no keys at its door (each
     line runs as its batch's owner), its engines metered to the owner's usage."""
-    from gateway.app import create_app
+    from gateway.ingress.asgi import create_app
 
     meter = TenantMeter(ledger)
     metered = registry.with_engines(
@@ -44,10 +44,10 @@ def cluster_host(config: Any, app_name: str) -> BatchHost:
     colocated model lives inside an ingress replica: batches cannot reach it)."""
     from ray import serve
 
-    from gateway.engine_client import ServeEngineClient
+    from gateway.cluster.ledger_actor import RayLedger
+    from gateway.cluster.response_store import RayResponseStore
+    from gateway.ingress.engine_client import ServeEngineClient
     from gateway.model_routes import engine_deployment
-    from gateway.response_store import RayResponseStore
-    from gateway.tenants.shared import RayLedger
 
     clients = {}
     for model in config.models:

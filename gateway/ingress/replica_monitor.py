@@ -1,5 +1,5 @@
 """The engine client's monitor: notices that a model has no running replica while no stream of
-it passes through this ingress (``gateway.engine_client``).
+it passes through this ingress (``gateway.ingress.engine_client``).
 
 A replica that dies while idle is noticed here rather than by the next request, which would
 otherwise queue in Serve's router until the replacement is up. Serve's controller is asked, not
@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 
-from gateway.serve_status import SERVE_STATUS
+from gateway.ingress.serve_status import SERVE_STATUS
 
 __all__ = ["ReplicaMonitor"]
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import httpx
 
-from gateway.batches.runner import BatchRunner, Send
-from gateway.batches.store import BatchStore, Tenant
-from gateway.cluster_state import NAMESPACE, named_actor
-from gateway.tenants.ledger import Limits
-from gateway.tenants.meter import BATCH_TIER, KeyState, current_key
+from gateway.cluster.batches.runner import BatchRunner, Send
+from gateway.cluster.batches.store import BatchStore, Tenant
+from gateway.cluster.ledger import Limits
+from gateway.cluster.state import NAMESPACE, named_actor
+from gateway.ingress.meter import BATCH_TIER, KeyState, current_key
 from protocols.openai.batch_objects import (
     BatchObject,
     BatchRefused,
@@ -134,7 +134,7 @@ def _actor_class():
     @ray.remote(num_cpus=0)
     class BatchActor:
         def __init__(self, config: Any, app_name: str):
-            from gateway.batches.build import cluster_host
+            from gateway.cluster.batches.build import cluster_host
 
             self.host = cluster_host(config, app_name)
             self.host.start()  # an actor Ray restarted goes on with its batches at once

@@ -3,7 +3,7 @@ protocol for that model (docs/cluster.md, "The default layout").
 
 Behind HAProxy on the public port, a request that names a model served this way (in its JSON
 body's ``model`` or in its path, as each protocol declares: ``ProtocolSpec.model_in_body`` /
-``model_in_path``) goes straight to one of the model's replicas (``gateway.haproxy_models``):
+``model_in_path``) goes straight to one of the model's replicas (``gateway.edge.haproxy_models``):
 the protocol layer runs beside the engine, and no second process touches the tokens. Whatever
 names no model that way (listings, aliases, TGI's routes, LMTP's websockets, AICI) goes to the
 gateway application, which reaches the same replicas through their deployment handle and the
@@ -26,11 +26,11 @@ from engines.config import ModelConfig
 from engines.deployment import EngineReplica
 from engines.routing import routing_options
 from gateway.config import GatewayConfig, load_config
-from gateway.ingress_router import with_ingress_router
-from gateway.limits import REPLICA_HEADER, ResponseHeader
-from gateway.local_engine import LocalEngineClient
+from gateway.ingress.limits import REPLICA_HEADER, ResponseHeader
+from gateway.ingress.local_engine import LocalEngineClient
+from gateway.ingress.registry import ModelRegistry
+from gateway.model_replica.router import with_ingress_router
 from gateway.model_routes import engine_deployment
-from gateway.registry import ModelRegistry
 
 __all__ = ["ModelAppArgs", "ModelIngress", "load_model_app", "model_deployment"]
 
@@ -67,7 +67,7 @@ def load_model_app(args: dict[str, Any] | ModelAppArgs) -> tuple[ModelConfig, Ga
 @serve.ingress()
 class ModelIngress(EngineReplica):
     """An engine replica (the handle methods the gateway application calls) that also serves
-    its model over HTTP, with the engine in this process (``gateway.local_engine``)."""
+    its model over HTTP, with the engine in this process (``gateway.ingress.local_engine``)."""
 
     def __init__(self, model: ModelConfig, config: GatewayConfig):
         super().__init__(model)
@@ -82,7 +82,7 @@ class ModelIngress(EngineReplica):
         self._config = config
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        from gateway.app import serve_asgi_app
+        from gateway.ingress.asgi import serve_asgi_app
 
         app = serve_asgi_app(self._registry, self._config, capacity=None)
         app.add_middleware(ResponseHeader, name=REPLICA_HEADER,
