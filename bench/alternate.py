@@ -8,7 +8,7 @@ server's"). Here one server stays up, and the CPUs or the niceness of its ``VLLM
 ABBA order, so that a drift linear in time cancels. The worker and every other process stay as
 the server placed them. Settings:
 
-- ``cpus=serving``: the CPUs no vLLM worker is pinned to (where engines/placement.py puts the
+- ``cpus=serving``: the CPUs no vLLM worker is pinned to (where engines/kit/placement.py puts the
   gateway's scheduler);
 - ``cpus=worker``: the worker's own CPUs;
 - ``cpus=all``: every CPU (bare vLLM leaves its scheduler so);

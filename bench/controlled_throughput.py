@@ -55,7 +55,7 @@ async def _one(engine, i: int, case: str, max_tokens: int) -> tuple[int, float, 
         TextPrompt,
         TokenEvent,
     )
-    from engines.base import Admitted
+    from engines.kit.base import Admitted
 
     controller = {"plain": None, "none": ControllerSpec(module="none"),
                   "regex": ControllerSpec(module="llguidance", arg=json.dumps(REGEX))}[case]
@@ -105,7 +105,7 @@ async def _case(engine, case: str, streams: int, max_tokens: int) -> dict:
 
 
 async def _run(args: argparse.Namespace) -> dict:
-    from engines.config import ModelConfig
+    from engines.kit.config import ModelConfig
     from engines.vllm.engine import VLLMEngine
 
     engine = VLLMEngine(ModelConfig())

@@ -40,15 +40,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.pipeline import _cpu_flags  # noqa: E402
-from engines.controllers.channels import MainClient, SideClient  # noqa: E402
-from engines.controllers.shm import ChannelObjects  # noqa: E402
+from engines.controllers.ipc.channels import MainClient, SideClient  # noqa: E402
+from engines.controllers.ipc.shm import ChannelObjects  # noqa: E402
 
 RUNTIME = r"""
 import sys, threading
-from engines.controllers.builtin import BUILTIN_CONTROLLERS, HFTokenizerInfo
-from engines.controllers.runtime import ControllerRuntime
-from engines.controllers.shm import BiasMatrix
-from engines.controllers.channels import MainServer, SideServer
+from engines.controllers.runtime.builtin import BUILTIN_CONTROLLERS, HFTokenizerInfo
+from engines.controllers.runtime.runtime import ControllerRuntime
+from engines.controllers.ipc.shm import BiasMatrix
+from engines.controllers.ipc.channels import MainServer, SideServer
 prefix, model_dir = sys.argv[1], sys.argv[2]
 tok = HFTokenizerInfo.from_pretrained(model_dir)
 tok.llg  # built once at start, as a runtime actor does
@@ -105,8 +105,8 @@ def main() -> None:
                         help="then generation through vLLM: plain vs none vs regex, 16 streams")
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds")
     args = parser.parse_args()
-    from engines.controllers.builtin import HFTokenizerInfo
-    from engines.embedded import prepare_embedded_model
+    from engines.controllers.runtime.builtin import HFTokenizerInfo
+    from engines.kit.embedded import prepare_embedded_model
     model_dir = str(prepare_embedded_model(progress=False))
     tok = HFTokenizerInfo.from_pretrained(model_dir)
     vocab = tok.vocab_size

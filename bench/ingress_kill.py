@@ -22,8 +22,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engines.config import ModelConfig  # noqa: E402
-from engines.embedded import local_model_dir, prepare_embedded_model  # noqa: E402
+from engines.kit.config import ModelConfig  # noqa: E402
+from engines.kit.embedded import local_model_dir, prepare_embedded_model  # noqa: E402
 from gateway import serve_env  # noqa: E402
 from gateway.app import build_app  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402

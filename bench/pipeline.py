@@ -139,9 +139,9 @@ async def _drive(host, tokens: int, seqs: int, tag: str,
 
 
 def _pipeline(stages: int, dtype: str, threads: int, extra: dict):
-    from engines.config import ModelConfig
-    from engines.host import EngineHost
+    from engines.kit.config import ModelConfig
     from engines.pipeline.engine import PipelineEngine
+    from engines.replica.host import EngineHost
 
     engine = PipelineEngine(ModelConfig(name="m", engine="pipeline", engine_args={
         "num_stages": stages, "dtype": dtype, "stage_num_cpus": 0.01, "stage_threads": threads,
@@ -171,8 +171,8 @@ def _targets(args, path: str) -> tuple[dict[str, Any], Any]:
                       for n in args.stages})
     if args.no_vllm:
         return pipes, None
-    from engines.config import ModelConfig
-    from engines.host import EngineHost
+    from engines.kit.config import ModelConfig
+    from engines.replica.host import EngineHost
     from engines.vllm.engine import VLLMEngine
 
     vllm = VLLMEngine(ModelConfig(name="m", source=path, engine_args={
@@ -187,7 +187,7 @@ def run_all(args) -> list[dict]:
     import ray
     import torch
 
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.embedded import prepare_embedded_model
 
     path = str(prepare_embedded_model())
     dtype = getattr(torch, args.dtype)

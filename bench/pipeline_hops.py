@@ -164,7 +164,7 @@ def main() -> None:
     import ray
     import torch
 
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.embedded import prepare_embedded_model
     from engines.pipeline.stage import StageCore
 
     path = str(prepare_embedded_model())

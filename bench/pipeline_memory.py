@@ -30,8 +30,8 @@ from bench.pipeline import _cpu_flags  # noqa: E402
 def _engine(args):
     import torch
 
-    from engines.config import ModelConfig
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.config import ModelConfig
+    from engines.kit.embedded import prepare_embedded_model
     from engines.pipeline.engine import PipelineEngine
     from engines.pipeline.loading import load_layers
     from engines.pipeline.stage import StageCore
@@ -57,7 +57,7 @@ def _engine(args):
 
 async def _run(args) -> dict:
     from contract import ErrorEvent, FinalEvent, GenerateRequest, Sampling, TextPrompt
-    from engines.host import EngineHost
+    from engines.replica.host import EngineHost
 
     engine, most = _engine(args)
     host = EngineHost(engine)

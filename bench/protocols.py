@@ -48,8 +48,8 @@ from bench.servers import (  # noqa: E402
     venv_bin,
     wait_ready,
 )
-from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
-from engines.embedded import prepare_embedded_model  # noqa: E402
+from engines.kit.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
+from engines.kit.embedded import prepare_embedded_model  # noqa: E402
 
 # The gateway layouts this can start: the default (Serve's proxy on the public port, engine
 # replica behind the ingress) and the fast one (engine inside the ingress replica, HAProxy on

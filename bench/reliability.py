@@ -58,7 +58,7 @@ from bench.reliability_clients import APP  # noqa: E402
 from bench.reliability_faults import lmtp_flood, replica_death, slow_reader  # noqa: E402
 from bench.reliability_gateway import Gateway, engine_rss, ingress_rss_mb  # noqa: E402
 from bench.reliability_load import QUICK, Scale, disconnect, overload, prepare, soak  # noqa: E402
-from engines.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
+from engines.kit.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: E402
 
 
 def box() -> dict:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import websockets
 
-from engines.embedded import EMBEDDED_MODEL_NAME as MODEL
+from engines.kit.embedded import EMBEDDED_MODEL_NAME as MODEL
 
 APP = "relbench"
 CLIENT_TIMEOUT_S = 60.0  # a request that takes longer is a hang

@@ -40,7 +40,7 @@ from bench.reliability_gateway import (
     rounded,
 )
 from bench.reliability_load import Context, Scale
-from engines.embedded import EMBEDDED_MODEL_NAME as MODEL
+from engines.kit.embedded import EMBEDDED_MODEL_NAME as MODEL
 
 
 async def lmtp_flood(ctx: Context, scale: Scale) -> dict:

@@ -16,8 +16,8 @@ import httpx
 import psutil
 
 from bench.reliability_clients import APP
-from engines.config import ModelConfig
-from engines.embedded import EMBEDDED_MODEL_NAME as MODEL
+from engines.kit.config import ModelConfig
+from engines.kit.embedded import EMBEDDED_MODEL_NAME as MODEL
 from gateway import serve_env
 from gateway.config import GatewayConfig
 from gateway.serve_env import free_port

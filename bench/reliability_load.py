@@ -46,7 +46,7 @@ from bench.reliability_gateway import (
     rounded,
     serving_processes,
 )
-from engines.embedded import EMBEDDED_MODEL_NAME as MODEL
+from engines.kit.embedded import EMBEDDED_MODEL_NAME as MODEL
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import cputime  # noqa: E402
-from engines.embedded import EMBEDDED_MODEL_NAME, prepare_embedded_model  # noqa: E402
+from engines.kit.embedded import EMBEDDED_MODEL_NAME, prepare_embedded_model  # noqa: E402
 from engines.vllm.args import engine_args as vllm_engine_args  # noqa: E402
 from gateway import serve_env  # noqa: E402
 from gateway.model_routes import model_route  # noqa: E402
@@ -232,13 +232,13 @@ def serve_llm(model: str, model_dir: str, overrides: dict, replicas: int = 1,
 _PLACE = """
 import json, ray
 ray.init(address="auto", log_to_driver=False)
-from engines.placement import place
+from engines.kit.placement import place
 print(json.dumps(ray.get(ray.remote(num_cpus=0)(place).remote())))
 """
 
 
 def place_peer(target: str) -> dict | None:
-    """The gateway's CPU placement (``engines.placement.place``: every serving process of the
+    """The gateway's CPU placement (``engines.kit.placement.place``: every serving process of the
     node off the cores vLLM's workers pinned) applied once to a peer that is up, from a task in
     its Ray instance; what it did. The gateway's own replicas place the node themselves."""
     if not target.startswith("serve-llm"):
@@ -297,7 +297,7 @@ STARTERS = {"bare": serve_bare,
             # The same from another checkout (BENCH_BEFORE_TREE): a change's before and after.
             "gateway-before": serve_before,
             # The default with the serving stack free to run on the engine worker's cores
-            # (engines/placement.py off).
+            # (engines/kit/placement.py off).
             "gateway-unplaced": functools.partial(serve_model_apps,
                                                   env={"LLM_GATEWAY_PLACEMENT": "off"}),
             # Two models, each its own application (serve_config.cluster.yaml's layout).

@@ -1,5 +1,5 @@
 """Controller tag names: the one set of rules, for AICI's REST API (``protocols/aici/tags.py``)
-and the controller runtime's ``set_tags`` (``engines/controllers/tags.py``).
+and the controller runtime's ``set_tags`` (``engines/controllers/runtime/tags.py``).
 
 A neutral module (it imports nothing of this project) that the engines may import, as they do
 ``contract`` (``pyproject.toml``'s import-linter contracts). The rules:

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from ray import serve
 
-from engines.config import ModelConfig
+from engines.kit.config import ModelConfig
 from gateway.config import GatewayConfig, load_config
 from gateway.ingress.asgi import GatewayIngress
 from gateway.model_routes import engine_deployment
@@ -22,8 +22,8 @@ __all__ = ["build_app", "build_engine_app", "build_model_app"]
 
 
 def _engine_app(model: ModelConfig) -> serve.Application:
-    from engines.deployment import EngineDeployment
-    from engines.routing import routing_options
+    from engines.caller.routing import routing_options
+    from engines.replica.deployment import EngineDeployment
 
     return EngineDeployment.options(
         name=engine_deployment(model.name),

@@ -7,7 +7,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from engines.config import ModelConfig
+from engines.kit.config import ModelConfig
 from gateway.ingress.adapters import AdapterCatalog
 from gateway.ingress.keys import ApiKey
 from protocols.catalog import PROTOCOLS

@@ -80,7 +80,7 @@ HAPROXY_ENV: dict[str, str] = {
     # A model routed by prefix has an ingress request router (gateway.model_replica.router), which
     # HAProxy sends each request's body to before choosing the replica. Serve's default buffer
     # for that body is 8 MiB a stream; 64 KiB holds the first 32K characters of a prompt, all
-    # that routing reads (engines.prefix_affinity.MAX_BLOCKS), and a cut body is read as far as
+    # that routing reads (engines.caller.prefix_affinity.MAX_BLOCKS), and a cut body is read as far as
     # it goes. It also lets HAProxy read a later `model` field (docs/cluster.md).
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
     "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(64 * 1024),

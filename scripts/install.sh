@@ -68,4 +68,4 @@ if [ -n "$missing" ]; then
 fi
 
 echo "[install] preparing the embedded default model (cached after the first run)"
-"$PY" -m engines.embedded
+"$PY" -m engines.kit.embedded

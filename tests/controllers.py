@@ -7,8 +7,8 @@ import time
 import msgspec
 import numpy as np
 
-from engines.controllers.base import Controller, ControllerError, PreResult
-from engines.controllers.runtime import ControllerRuntime
+from engines.controllers.api.base import Controller, ControllerError, PreResult
+from engines.controllers.runtime.runtime import ControllerRuntime
 
 VOCAB = 64
 

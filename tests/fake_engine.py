@@ -1,11 +1,11 @@
 """A deterministic in-process engine kind for protocol unit tests and the engine contract suite.
 
-:class:`FakeModel` is an :class:`engines.base.Engine`: tokenizer one token per character (id =
+:class:`FakeModel` is an :class:`engines.kit.base.Engine`: tokenizer one token per character (id =
 code point); choice ``i`` emits the characters of ``reply`` (default "Hello world") cycling, each
 with logprob ``-0.1 * (k+1)``; EOS (id 0) ends it when ``reply`` runs out, unless ``ignore_eos``;
 a stop string ends the choice with ``stop_sequence``. A request with a LoRA adapter replies
 ``"<adapter name>: " + reply``. :class:`FakeEngine` is that model behind the
-real :class:`engines.host.EngineHost`, so admission, deadlines and accounting are the product's.
+real :class:`engines.replica.host.EngineHost`, so admission, deadlines and accounting are the product's.
 
 Controllers: with ``controllers="splice"``, a request whose controller is ``fake-splice`` gets
 the edits its JSON ``arg`` asks for: ``{"ff": "ab"}`` forces those characters first,
@@ -48,8 +48,8 @@ from contract import (
     TopLogprob,
     Usage,
 )
-from engines.base import Admitted
-from engines.host import EngineHost
+from engines.kit.base import Admitted
+from engines.replica.host import EngineHost
 
 MAX_MODEL_LEN = 64
 FAKE_SPLICE_ID = "f" * 64
@@ -89,7 +89,7 @@ class FakeTokenizer:
 
 
 class FakeModel:
-    """The fake engine kind (``engines.base.Engine``)."""
+    """The fake engine kind (``engines.kit.base.Engine``)."""
 
     tokenizer = FakeTokenizer()
 
@@ -230,7 +230,7 @@ class FakeModel:
 
 
 def _deepseek_r1():
-    from engines.reasoning import ReasoningFormat
+    from engines.replica.reasoning import ReasoningFormat
 
     return ReasoningFormat("deepseek_r1", FakeTokenizer())
 

@@ -55,10 +55,10 @@ def build_tiny(kind: str, target: Path, tokenizer_from: Path | None = None) -> P
 
 def local_pipeline(model_dir: Path, ranges=((1, 3), (3, 6)), controllers=None, **engine_args):
     """A PipelineEngine named "tiny" over ``model_dir`` with its stages in this process
-    (``controllers``: an ``engines.config.Controllers``; None: the kind's default)."""
+    (``controllers``: an ``engines.kit.config.Controllers``; None: the kind's default)."""
     import msgspec
 
-    from engines.config import ModelConfig
+    from engines.kit.config import ModelConfig
     from engines.pipeline.engine import PipelineEngine
     from engines.pipeline.loading import load_layers
     from engines.pipeline.stage import StageCore

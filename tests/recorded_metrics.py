@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from engines.telemetry import Levels
+from engines.kit.telemetry import Levels
 from gateway.ingress.telemetry import GatewayMetrics
 
 

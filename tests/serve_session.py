@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import uvicorn
 
-from engines.config import Controllers, ModelConfig
-from engines.embedded import EMBEDDED_MODEL_NAME
+from engines.kit.config import Controllers, ModelConfig
+from engines.kit.embedded import EMBEDDED_MODEL_NAME
 from gateway import serve_env
 from gateway.config import GatewayConfig
 from gateway.model_routes import model_route
@@ -74,7 +74,7 @@ def gateway_url():
         # serve_config.yaml's layout: the model its own application (its replicas serve it over
         # HTTP, HAProxy sends requests naming it there), the gateway application for the rest.
         # The operator's example controller, as serve_config.yaml registers it.
-        controllers = Controllers(custom={"redact": "engines.controllers.examples:Redact"})
+        controllers = Controllers(custom={"redact": "engines.controllers.api.examples:Redact"})
         model = ModelConfig(name=MODEL, controllers=controllers, engine_args=VLLM_TEST_ARGS)
         settings = {"aliases": {"ensemble": MODEL}, "max_request_bytes": MAX_REQUEST_BYTES}
         serve.run(build_model_app({"model": msgspec.to_builtins(model), "gateway": settings}),

@@ -1,6 +1,4 @@
-"""AICI-style per-step controllers (issue 12), built up in parts.
-
-``shm`` is the transport of the aicirt protocol (``docs/protocols/controller-runtime.md``): JSON
-messages and the logit-bias matrix in POSIX shared memory, driven from the engine end and from
-the runtime end, so the engine can also talk to a conforming external runtime.
-"""
+"""AICI-style per-step controllers (docs/controllers.md), grouped by where the code runs:
+``api`` (what a controller implements), ``runtime`` (the controller runtime's own process),
+``ipc`` (the shared-memory transport and typed messages between it and the model replica) and
+``driver`` (the model replica's side of a controlled request)."""

@@ -18,7 +18,7 @@ from contract import (
     TopLogprob,
     Usage,
 )
-from engines.base import Admitted
+from engines.kit.base import Admitted
 from engines.pipeline.jobs import Sequence
 from engines.pipeline.sampling import Sampler
 from engines.pipeline.text import OutputText

@@ -2,7 +2,7 @@
 kind").
 
 A controlled request runs as segments, driven by the same frontend as on the ``vllm`` kind
-(``engines.controllers.run.ControlledRun``): each segment is one sequence through the pipe,
+(``engines.controllers.driver.run.ControlledRun``): each segment is one sequence through the pipe,
 whose every step asks the runtime (:class:`StepHook`, on the origin's thread, once for every
 controlled sequence of a micro-batch) with the token it sampled last, its binding on the first
 step, and for its mask. A step that ends the segment
@@ -20,11 +20,11 @@ from typing import Any
 import msgspec
 
 from contract import FinalEvent, GenerateRequest
-from engines.controllers.channels import MainClient, RuntimeReplyError
-from engines.controllers.masks import bits_to_bias
-from engines.controllers.messages import MidOp, PostOp, PreOp, StepAnswer, read
-from engines.controllers.run import Segment
-from engines.controllers.shm import BiasMatrix, ChannelError
+from engines.controllers.api.masks import bits_to_bias
+from engines.controllers.driver.run import Segment
+from engines.controllers.ipc.channels import MainClient, RuntimeReplyError
+from engines.controllers.ipc.messages import MidOp, PostOp, PreOp, StepAnswer, read
+from engines.controllers.ipc.shm import BiasMatrix, ChannelError
 
 __all__ = ["SegmentRow", "StepHook", "note_finish", "segment_request"]
 

@@ -32,10 +32,11 @@ from contract import (
     TopLogprob,
 )
 from contract.pump import Pump
-from engines.base import Admitted, ReferenceOutput
-from engines.config import ModelConfig
-from engines.controllers.run import ControlledRun, Segment
-from engines.embedded import resolve_model_source
+from engines.controllers.driver.run import ControlledRun, Segment
+from engines.kit.base import Admitted, ReferenceOutput
+from engines.kit.config import ModelConfig
+from engines.kit.embedded import resolve_model_source
+from engines.kit.tokens import prompt_char_limit, render_prompt
 from engines.pipeline.budget import BudgetFull, KVBudget, NeverFits, tokens_for
 from engines.pipeline.choice import Choice
 from engines.pipeline.config import PipelineArgs, check_model_type, parse_args, plan_stages
@@ -43,7 +44,6 @@ from engines.pipeline.controlled import SegmentRow, StepHook, note_finish, segme
 from engines.pipeline.jobs import Job, PipelineFailure
 from engines.pipeline.origin import Origin
 from engines.pipeline.stages import RayStages, Stages
-from engines.tokens import prompt_char_limit, render_prompt
 
 __all__ = ["PipelineEngine"]
 
@@ -54,7 +54,7 @@ MAX_N = 16
 
 
 class PipelineEngine:
-    """An :class:`engines.base.Engine` (and ReferenceEngine: the unsplit HF model)."""
+    """An :class:`engines.kit.base.Engine` (and ReferenceEngine: the unsplit HF model)."""
 
     def __init__(self, config: ModelConfig, stages: Stages | None = None):
         import torch
@@ -113,8 +113,8 @@ class PipelineEngine:
         options = self.config.controllers
         if options is None:
             return None, None
-        from engines.controllers.runtime import Limits
-        from engines.controllers.service import attach_runtime, close_quietly
+        from engines.controllers.runtime.runtime import Limits
+        from engines.controllers.runtime.service import attach_runtime, close_quietly
 
         limits = Limits(step_s=options.step_ms / 1000, init_s=options.init_ms / 1000)
         attached = attach_runtime(self.config.name, self.model_path, vocab_size, options.custom,

@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from engines.kit.telemetry import engine_metrics
 from engines.pipeline.jobs import Job, PipelineFailure, StageTimeout, lost_on_the_way
 from engines.pipeline.loading import OriginParts
 from engines.pipeline.stage import CacheMismatch, Hop, StageCore, digest
 from engines.pipeline.stages import Resolved, Stages
-from engines.telemetry import engine_metrics
 
 __all__ = ["Origin"]
 
@@ -66,7 +66,7 @@ class Origin:
                  before_steps: Callable[[list[tuple[Any, list[int]]]], None] | None = None,
                  model: str = ""):
         self.parts = parts
-        self._tags = {"model": model}  # of its series (engines.telemetry)
+        self._tags = {"model": model}  # of its series (engines.kit.telemetry)
         # Called on the origin thread with (control, tokens) of the micro-batch's controlled
         # sequences about to sample, before any of them does (the engine's controller hook).
         self.before_steps = before_steps

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engines.telemetry import LEVELS, Levels, engine_metrics
+from engines.kit.telemetry import LEVELS, Levels, engine_metrics
 
 __all__ = ["CacheMismatch", "Hop", "StageCore", "digest", "stage_actor_class"]
 
@@ -278,7 +278,7 @@ def stage_actor_class():
                      attn_implementation: str, threads: int | None, ttl_s: float,
                      device: str = "cpu", metric_tags: dict[str, str] | None = None,
                      cpu_kernels: str = "packed", secret: str = ""):
-            from engines import placement
+            from engines.kit import placement
             from engines.pipeline.wire import StageServer
 
             # Computes: not moved off an engine's cores, and on every CPU again (a worker forked

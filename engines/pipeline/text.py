@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engines.detokenize import IncrementalDecoder
+from engines.kit.detokenize import IncrementalDecoder
 
 __all__ = ["OutputText"]
 

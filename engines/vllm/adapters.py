@@ -24,8 +24,8 @@ import tempfile
 from typing import Any
 
 from contract import Adapter
-from engines.config import Lora
-from engines.lora import (
+from engines.kit.config import Lora
+from engines.kit.lora import (
     AdapterInvalid,
     check_fits,
     model_shapes,

@@ -43,10 +43,10 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
-from engines.controllers.channels import MainClient, RuntimeReplyError
-from engines.controllers.masks import bits_to_bias
-from engines.controllers.messages import MidOp, PostOp, PreOp, RowSpec, StepAnswer, Vocabulary, read
-from engines.controllers.shm import BiasMatrix, ChannelError
+from engines.controllers.api.masks import bits_to_bias
+from engines.controllers.ipc.channels import MainClient, RuntimeReplyError
+from engines.controllers.ipc.messages import MidOp, PostOp, PreOp, RowSpec, StepAnswer, Vocabulary, read
+from engines.controllers.ipc.shm import BiasMatrix, ChannelError
 
 __all__ = ["AICI_ARG", "ControllerLogitsProcessor", "parse_row_spec"]
 

@@ -3,7 +3,7 @@
 This module owns everything vLLM-specific: prompt rendering and tokenization, the mapping of
 :class:`~contract.Sampling` onto ``SamplingParams``, vLLM's own refusals, and the
 reference decoder parity tests compare against. Admission, deadlines and accounting are the
-host's (``engines.host``); ``engines.vllm.translate`` turns outputs into events.
+host's (``engines.replica.host``); ``engines.vllm.translate`` turns outputs into events.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from contract import (
     ModelInfo,
     Prompt,
 )
-from engines.base import Admitted, ReferenceOutput
-from engines.config import Controllers, ModelConfig
-from engines.controllers.run import ControlledRun, Segment
-from engines.embedded import resolve_model_source
-from engines.lora import AdapterInvalid
-from engines.reaper import start_reaper
-from engines.tokens import prompt_char_limit, render_prompt
+from engines.controllers.driver.run import ControlledRun, Segment
+from engines.kit.base import Admitted, ReferenceOutput
+from engines.kit.config import Controllers, ModelConfig
+from engines.kit.embedded import resolve_model_source
+from engines.kit.lora import AdapterInvalid
+from engines.kit.reaper import start_reaper
+from engines.kit.tokens import prompt_char_limit, render_prompt
 from engines.vllm.adapters import VLLMAdapters, lora_engine_args, needs_base_slot
 from engines.vllm.args import engine_args
 from engines.vllm.controller_hook import AICI_ARG
@@ -40,7 +40,7 @@ from engines.vllm.logit_bias import PROCESSOR as BIAS_PROCESSOR
 from engines.vllm.translate import Translator
 
 if TYPE_CHECKING:
-    from engines.controllers.service import AttachedRuntime
+    from engines.controllers.runtime.service import AttachedRuntime
 
 __all__ = ["VLLMEngine"]
 
@@ -53,7 +53,7 @@ _SAME_NAMED = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 
 class VLLMEngine:
-    """One vLLM ``AsyncLLM`` as an :class:`engines.base.Engine` (also a ReferenceEngine)."""
+    """One vLLM ``AsyncLLM`` as an :class:`engines.kit.base.Engine` (also a ReferenceEngine)."""
 
     def __init__(self, config: ModelConfig):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -72,9 +72,9 @@ class VLLMEngine:
         args = AsyncEngineArgs(model=self.model_path, served_model_name=[config.name], **kwargs)
         # vLLM's EngineCore and workers will be this process's children: if it is killed they
         # would run on (GBs each), even while they still load; a reaper process ends them then
-        # (engines/reaper.py).
+        # (engines/kit/reaper.py).
         self._reaper = start_reaper()
-        # In a replica this runs inside the placement step (engines.kinds.create_engine): vLLM
+        # In a replica this runs inside the placement step (engines.kit.kinds.create_engine): vLLM
         # picks its worker's cores from this process's affinity, widened for it there.
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=_ray_stat_loggers())
         self.tokenizer = self._llm.get_tokenizer()
@@ -104,8 +104,8 @@ class VLLMEngine:
         """The shm objects, the runtime beside this replica, and the hook in vLLM's args."""
         from transformers import AutoConfig
 
-        from engines.controllers.runtime import Limits
-        from engines.controllers.service import attach_runtime
+        from engines.controllers.runtime.runtime import Limits
+        from engines.controllers.runtime.service import attach_runtime
 
         if int(kwargs.get("tensor_parallel_size") or 1) > 1 or \
                 int(kwargs.get("pipeline_parallel_size") or 1) > 1:

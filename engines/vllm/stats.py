@@ -6,7 +6,7 @@ on a 2-core box, +0.3 CPU-s per 16k tokens in the replica and +0.25 in Ray's met
 +14 % of the CPU outside the engine. This logger keeps only what no gateway series has (running
 and waiting requests, KV cache use) and vLLM's own token and request counts, added up per step
 and handed to Ray at most once a second, and at once when a request finished (so an idle engine
-has nothing left unsent); the gauges among them go through ``engines.telemetry.LEVELS``, whose
+has nothing left unsent); the gauges among them go through ``engines.kit.telemetry.LEVELS``, whose
 thread hands them to Ray within a second. vLLM's in-process Prometheus logger runs as before.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from engines.telemetry import LEVELS, engine_metrics
+from engines.kit.telemetry import LEVELS, engine_metrics
 
 __all__ = ["SampledStats"]
 

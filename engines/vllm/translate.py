@@ -18,7 +18,7 @@ from contract import (
     TopLogprob,
     Usage,
 )
-from engines.detokenize import IncrementalDecoder
+from engines.kit.detokenize import IncrementalDecoder
 
 __all__ = ["Translator", "finish_reason"]
 
@@ -114,7 +114,7 @@ class Translator:
         return events
 
     def _piece(self, index: int, token_id: int) -> str:
-        """The text ``token_id`` adds to choice ``index`` (``engines.detokenize``; the window
+        """The text ``token_id`` adds to choice ``index`` (``engines.kit.detokenize``; the window
         starts in the prompt's tail)."""
         assert self.pieces is not None
         decoder = self.pieces.get(index)

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 
 from contract import Adapter
-from engines.config import Lora, plain_adapter_name
-from engines.lora import ADAPTER_CONFIG, AdapterInvalid, read_adapter
+from engines.kit.config import Lora, plain_adapter_name
+from engines.kit.lora import ADAPTER_CONFIG, AdapterInvalid, read_adapter
 
 __all__ = ["MAX_LISTED", "AdapterCatalog"]
 

@@ -197,7 +197,7 @@ class GatewayIngress:
     """Serve ingress: the FastAPI app over one engine deployment handle per model."""
 
     def __init__(self, engines: dict[str, DeploymentHandle], config: GatewayConfig):
-        from engines.serve_logs import log_with_serve
+        from engines.replica.serve_logs import log_with_serve
         from gateway.ingress.engine_client import ServeEngineClient
         from gateway.ingress.local_engine import LocalEngineClient
 

@@ -44,8 +44,8 @@ from contract import (
     Prompt,
     decode_events,
 )
-from engines.callers import Caller, current_caller
 from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
+from engines.replica.callers import Caller, current_caller
 from gateway.ingress.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
 from gateway.ingress.serve_status import SERVE_STATUS
 

@@ -13,8 +13,8 @@ from contextlib import aclosing
 from contextvars import ContextVar
 
 from contract import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
-from engines.config import ModelConfig
-from engines.host import EngineHost
+from engines.kit.config import ModelConfig
+from engines.replica.host import EngineHost
 from gateway.ingress.engine_client import overloaded, with_default_deadline
 
 __all__ = ["CloseStreamsWithRequest", "LocalEngineClient"]

@@ -29,7 +29,7 @@ from contract import (
     TokenEvent,
 )
 from contract.client import EngineClient
-from engines.telemetry import (
+from engines.kit.telemetry import (
     LATENCY_BUCKETS_S,
     LEVELS,
     TOKEN_GAP_BUCKETS_S,

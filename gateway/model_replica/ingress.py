@@ -22,9 +22,9 @@ import msgspec
 from fastapi import FastAPI
 from ray import serve
 
-from engines.config import ModelConfig
-from engines.deployment import EngineReplica
-from engines.routing import routing_options
+from engines.caller.routing import routing_options
+from engines.kit.config import ModelConfig
+from engines.replica.deployment import EngineReplica
 from gateway.config import GatewayConfig, load_config
 from gateway.ingress.limits import REPLICA_HEADER, ResponseHeader
 from gateway.ingress.local_engine import LocalEngineClient

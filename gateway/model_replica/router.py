@@ -8,7 +8,7 @@ for each POST to the application, HAProxy's Lua action sends the request's body 
 ``POST /internal/route``, reads the ``replica_id`` it answers, and forwards the request to that
 replica itself; the router never sees the response. Here the router reads the prompt out of the
 body (:func:`body_blocks`) and asks the engine deployment's own request router
-(``engines.prefix_router``) for a replica without sending anything (``choose_replica`` with
+(``engines.caller.prefix_router``) for a replica without sending anything (``choose_replica`` with
 ``_reserve=False``), so both ways into a model, HAProxy's and the engine channel's, pick with
 one policy.
 """
@@ -23,9 +23,9 @@ from pydantic_core import from_json
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engines.config import ModelConfig
-from engines.prefix_affinity import chat_text, prefix_blocks
-from engines.routing import RouteQuery
+from engines.caller.prefix_affinity import chat_text, prefix_blocks
+from engines.caller.routing import RouteQuery
+from engines.kit.config import ModelConfig
 
 __all__ = ["IngressRouter", "body_blocks", "body_text", "with_ingress_router"]
 
@@ -62,7 +62,7 @@ def _chat(body: dict[str, Any]) -> list[tuple[str, str]] | None:
 
 def body_text(body: dict[str, Any]) -> str:
     """The prompt of a request HAProxy sends to a model's application, as routing reads it
-    (``engines.prefix_affinity.prompt_text`` of the internal prompt the protocol makes of it,
+    (``engines.caller.prefix_affinity.prompt_text`` of the internal prompt the protocol makes of it,
     for text; tool calls and results are left out): a chat (``_chat``), a completion's
     ``prompt`` (the first of several), MindIE's ``text_input``, LMI's and TGI's ``inputs``.
     Anything else has no text, and is routed by load."""

@@ -48,7 +48,7 @@ directory under `root` only when `expose_model_paths` is set. Here the embedded 
 directory is found on this machine, which is true when the gateway runs on it."""),
     ("code", """import lmql
 
-from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
+from engines.kit.embedded import EMBEDDED_MODEL_NAME, local_model_dir
 
 tokenizer_dir = local_model_dir(f"embedded:{EMBEDDED_MODEL_NAME}")
 lmql_model = lmql.model(MODEL, endpoint=GATEWAY_URL.removeprefix("http://"), tokenizer=tokenizer_dir)

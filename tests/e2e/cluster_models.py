@@ -203,7 +203,7 @@ def main() -> None:
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from engines.embedded import EMBEDDED_MODEL_NAME, local_model_dir
+    from engines.kit.embedded import EMBEDDED_MODEL_NAME, local_model_dir
     from tests.pipeline_models import build_tiny
 
     tmp = Path(tempfile.mkdtemp(prefix="cluster-models-"))

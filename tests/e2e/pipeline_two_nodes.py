@@ -13,7 +13,7 @@ import os
 
 async def _run(engine, prompt: str, tokens: int) -> list[int]:
     from contract import GenerateRequest, Sampling, TextPrompt, TokenEvent
-    from engines.host import EngineHost
+    from engines.replica.host import EngineHost
 
     request = GenerateRequest(request_id=f"two-nodes-{id(engine)}", model="p",
                               prompt=TextPrompt(text=prompt),
@@ -27,7 +27,7 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from engines.config import ModelConfig
+    from engines.kit.config import ModelConfig
     from engines.pipeline.engine import PipelineEngine
 
     cluster = Cluster(initialize_head=True, head_node_args={

@@ -121,8 +121,8 @@ def main() -> None:
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from engines.config import ModelConfig
-    from engines.embedded import EMBEDDED_MODEL_NAME
+    from engines.kit.config import ModelConfig
+    from engines.kit.embedded import EMBEDDED_MODEL_NAME
     from gateway.app import build_app
     from gateway.config import GatewayConfig
 

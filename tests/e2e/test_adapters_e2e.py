@@ -17,8 +17,8 @@ import msgspec
 import pytest
 
 from contract import Adapter
-from engines.config import Lora, ModelConfig
-from engines.embedded import local_model_dir
+from engines.kit.config import Lora, ModelConfig
+from engines.kit.embedded import local_model_dir
 from gateway.config import GatewayConfig
 from gateway.model_routes import model_route
 from tests.e2e.conftest import MODEL

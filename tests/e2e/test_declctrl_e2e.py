@@ -162,7 +162,7 @@ def test_backtrack_2(aici):
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.embedded import prepare_embedded_model
     return AutoTokenizer.from_pretrained(str(prepare_embedded_model(progress=False)))
 
 

@@ -70,7 +70,7 @@ def big_body_url(gateway_url):
     (the session's own ingress refuses bodies over 1 MiB)."""
     from ray import serve
 
-    from engines.config import ModelConfig
+    from engines.kit.config import ModelConfig
     from gateway.app import build_app
     from gateway.config import GatewayConfig
     from tests.serve_session import MODEL_APP, _wait_healthy

@@ -15,7 +15,7 @@ import text_generation
 from huggingface_hub import InferenceClient
 from text_generation.errors import ValidationError as TGIValidationError
 
-from engines.config import ModelConfig
+from engines.kit.config import ModelConfig
 from gateway.config import GatewayConfig
 from gateway.ingress.asgi import create_app
 from gateway.ingress.engine_client import ServeEngineClient

@@ -14,7 +14,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from engines.embedded import local_model_dir
+    from engines.kit.embedded import local_model_dir
 
     path = local_model_dir(f"embedded:{MODEL}")  # the session gateway has prepared it
     assert path is not None

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import websockets
 
-from engines.config import Controllers, ModelConfig
+from engines.kit.config import Controllers, ModelConfig
 from gateway.config import GatewayConfig
 from tests.aici_client import AiciClient
 from tests.e2e.notebooks import run_notebook
@@ -55,7 +55,7 @@ def metered_url(gateway_url):
     from gateway.app import build_app
 
     model = ModelConfig(name=MODEL, app=MODEL_APP, controllers=Controllers(
-        custom={"redact": "engines.controllers.examples:Redact"}))
+        custom={"redact": "engines.controllers.api.examples:Redact"}))
     config = GatewayConfig(models=[model], ingress_replicas=2, ingress_num_cpus=0.05,
                            max_request_bytes=MAX_REQUEST_BYTES)
     # Logs as one JSON object per line, as docs/observability.md tells operators to ask for.

@@ -1,4 +1,4 @@
-"""The serving stack runs off the cores vLLM's worker computes on (``engines/placement.py``):
+"""The serving stack runs off the cores vLLM's worker computes on (``engines/kit/placement.py``):
 Ray's daemons, Serve's controller and proxy, the replicas, vLLM's scheduler process and the
 controller runtime's process (the replica's child), every thread of each, in the test session's
 Ray node with its real vLLM replica. The oracle is the kernel's own affinity of each thread
@@ -16,11 +16,11 @@ from typing import TypeVar
 import psutil
 import pytest
 
-from engines.placement import ENGINES, _session_dir, claimed
+from engines.kit.placement import ENGINES, _session_dir, claimed
 from tests.e2e.conftest import MODEL
 
 T = TypeVar("T")
-RUNTIME = "-m engines.controllers.process"  # the controller runtime's command line
+RUNTIME = "-m engines.controllers.runtime.process"  # the controller runtime's command line
 
 
 def _title(proc: psutil.Process) -> str:

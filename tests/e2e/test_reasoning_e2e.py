@@ -21,8 +21,8 @@ import msgspec
 import openai
 import pytest
 
-from engines.config import ModelConfig, Reasoning
-from engines.embedded import local_model_dir
+from engines.kit.config import ModelConfig, Reasoning
+from engines.kit.embedded import local_model_dir
 from gateway.config import GatewayConfig
 from gateway.model_routes import model_route
 from tests.e2e.conftest import MODEL

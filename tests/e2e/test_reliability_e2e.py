@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import websockets
 
-from engines.config import ModelConfig
-from engines.embedded import local_model_dir
+from engines.kit.config import ModelConfig
+from engines.kit.embedded import local_model_dir
 from gateway.config import GatewayConfig
 from gateway.ingress.keys import ApiKey
 from gateway.model_routes import model_route
@@ -666,7 +666,7 @@ async def test_a_killed_ingress_replica_answers_in_flight_requests_in_shape(gate
         assert requests[name][2](r.json()) and r.headers["retry-after"] == "1", (name, r.text)
     _wait_healthy(gateway_url, "the gateway after its ingress was replaced")
     async with httpx.AsyncClient(base_url=gateway_url, timeout=120) as c:
-        # The dead ingress's engine requests were aborted (engines.callers), not decoded to
+        # The dead ingress's engine requests were aborted (engines.replica.callers), not decoded to
         # their end: 400 tokens take longer than this wait on a 2-core AVX2 box.
         await _engine_idle(c)
         assert (await c.get("/gateway/engines")).json()[MODEL]["aborted"] >= aborted + len(

@@ -22,8 +22,8 @@ import httpx
 import msgspec
 import pytest
 
-from engines.config import ModelConfig
-from engines.embedded import local_model_dir
+from engines.kit.config import ModelConfig
+from engines.kit.embedded import local_model_dir
 from gateway.config import GatewayConfig
 from gateway.model_routes import model_route
 from tests.e2e.conftest import MODEL

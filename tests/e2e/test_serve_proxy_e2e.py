@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engines.embedded import EMBEDDED_MODEL_NAME
+from engines.kit.embedded import EMBEDDED_MODEL_NAME
 from tests.e2e.serve_proxy_gateway import PROMPT, TOKENS
 
 pytestmark = pytest.mark.e2e

@@ -20,8 +20,8 @@ import msgspec
 import openai
 import pytest
 
-from engines.config import ModelConfig, Scheduling
-from engines.embedded import local_model_dir
+from engines.kit.config import ModelConfig, Scheduling
+from engines.kit.embedded import local_model_dir
 from gateway.config import GatewayConfig
 from gateway.ingress.keys import ApiKey
 from gateway.model_routes import model_route

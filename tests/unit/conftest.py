@@ -34,7 +34,7 @@ async def client(engine):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny random-weight Llama (6 layers) with the embedded model's tokenizer, built once."""
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.embedded import prepare_embedded_model
 
     return build_tiny("llama", tmp_path_factory.mktemp("tiny"),
                       prepare_embedded_model(progress=False))

@@ -23,11 +23,11 @@ from contract import (
     ModelNotFound,
     TextPrompt,
 )
-from engines.admission import Refused, check_request
-from engines.config import Lora, ModelConfig
-from engines.lora import check_fits, model_shapes, read_adapter, write_zero_adapter
-from engines.prefix_affinity import prefix_blocks
-from engines.routing import request_blocks
+from engines.caller.prefix_affinity import prefix_blocks
+from engines.caller.routing import request_blocks
+from engines.kit.config import Lora, ModelConfig
+from engines.kit.lora import check_fits, model_shapes, read_adapter, write_zero_adapter
+from engines.replica.admission import Refused, check_request
 from engines.vllm.adapters import lora_engine_args
 from gateway.config import GatewayConfig, load_config
 from gateway.ingress import adapters as catalog_module

@@ -15,7 +15,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from engines.config import Autoscaling, ModelConfig
+from engines.kit.config import Autoscaling, ModelConfig
 from gateway.app import build_app, build_engine_app, build_model_app
 from gateway.config import load_config
 from gateway.model_replica.ingress import load_model_app

@@ -1,8 +1,8 @@
-"""What a controlled branch does next (engines/controllers/actions.py), one case each."""
+"""What a controlled branch does next (engines/controllers/driver/actions.py), one case each."""
 
 import pytest
 
-from engines.controllers.actions import (
+from engines.controllers.driver.actions import (
     ControllerFailed,
     Edit,
     Finish,
@@ -11,7 +11,7 @@ from engines.controllers.actions import (
     Suspend,
     decide,
 )
-from engines.controllers.messages import AdvanceAnswer, PreState
+from engines.controllers.ipc.messages import AdvanceAnswer, PreState
 
 
 class _Output:

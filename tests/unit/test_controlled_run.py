@@ -1,4 +1,4 @@
-"""The frontend driver of controlled requests (engines/controllers/run.py) against the real
+"""The frontend driver of controlled requests (engines/controllers/driver/run.py) against the real
 controller runtime and a scripted stand-in for vLLM + the hook: each segment binds its
 controller (``pre_ops``), reports each sampled token (``post_ops``), and ends on EOS when the
 controller stops or asks for fast-forward, as the hook makes vLLM do."""
@@ -23,11 +23,11 @@ from contract import (
     TextPrompt,
     TokenEvent,
 )
-from engines.controllers.base import PreResult
-from engines.controllers.channels import RuntimeReplyError
-from engines.controllers.run import ControlledRun, Segment
-from engines.controllers.runtime import Limits
-from engines.controllers.shm import ChannelFull, ChannelTimeout
+from engines.controllers.api.base import PreResult
+from engines.controllers.driver.run import ControlledRun, Segment
+from engines.controllers.ipc.channels import RuntimeReplyError
+from engines.controllers.ipc.shm import ChannelFull, ChannelTimeout
+from engines.controllers.runtime.runtime import Limits
 from tests.controllers import Backtracking, FakeTokenizer, Scripted, WireRuntime, as_wire
 
 EOS = 0
@@ -294,7 +294,7 @@ class _Bytes:
 
 
 def test_the_redact_example_withdraws_a_word_and_forces_its_replacement():
-    from engines.controllers.examples import Redact
+    from engines.controllers.api.examples import Redact
 
     tok = _Bytes()
 

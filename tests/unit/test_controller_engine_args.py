@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engines.config import Controllers
+from engines.kit.config import Controllers
 from engines.vllm.engine import VLLMEngine
 
 

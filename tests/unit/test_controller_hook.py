@@ -15,10 +15,10 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from engines.controllers.base import Controller
-from engines.controllers.channels import MainServer, SideClient, SideServer
-from engines.controllers.runtime import ControllerRuntime, Limits
-from engines.controllers.shm import BiasMatrix, ChannelObjects
+from engines.controllers.api.base import Controller
+from engines.controllers.ipc.channels import MainServer, SideClient, SideServer
+from engines.controllers.ipc.shm import BiasMatrix, ChannelObjects
+from engines.controllers.runtime.runtime import ControllerRuntime, Limits
 from engines.vllm import controller_hook
 from engines.vllm.controller_hook import ControllerLogitsProcessor
 from tests.controllers import VOCAB, FakeTokenizer, Scripted

@@ -1,10 +1,10 @@
-"""The controller runtime's typed messages (engines/controllers/messages.py): a malformed
+"""The controller runtime's typed messages (engines/controllers/ipc/messages.py): a malformed
 command is the sender's error in the runtime's error shape, on either channel, and a step's
 answer reads back as the rows it ends."""
 
 import pytest
 
-from engines.controllers.messages import (
+from engines.controllers.ipc.messages import (
     AdvanceAnswer,
     BadMessage,
     MainCommand,

@@ -1,5 +1,5 @@
-"""The controller runtime in a process of its own (engines/controllers/process.py), and the
-replica's side of its metrics (engines/controllers/service.py's ``AttachedRuntime``)."""
+"""The controller runtime in a process of its own (engines/controllers/runtime/process.py), and the
+replica's side of its metrics (engines/controllers/runtime/service.py's ``AttachedRuntime``)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import msgspec
 import psutil
 import pytest
 
-from engines.controllers.channels import MainClient, SideClient
-from engines.controllers.messages import RuntimeStats
-from engines.controllers.process import RuntimeProcess, RuntimeStart
-from engines.controllers.runtime import Limits
-from engines.controllers.service import AttachedRuntime
-from engines.controllers.shm import ChannelObjects
-from engines.telemetry import STEP_BUCKETS_S, EngineMetrics, Levels, Tally
+from engines.controllers.ipc.channels import MainClient, SideClient
+from engines.controllers.ipc.messages import RuntimeStats
+from engines.controllers.ipc.shm import ChannelObjects
+from engines.controllers.runtime.process import RuntimeProcess, RuntimeStart
+from engines.controllers.runtime.runtime import Limits
+from engines.controllers.runtime.service import AttachedRuntime
+from engines.kit.telemetry import STEP_BUCKETS_S, EngineMetrics, Levels, Tally
 from tests.processes import gone_within
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def test_the_runtime_process_serves_both_channels_and_ends_when_closed(objects, 
         # The process is the replica's child, named by its model where `ps` shows it.
         child = psutil.Process(runtime.pid)
         assert child.ppid() == os.getpid()
-        assert child.cmdline()[-3:] == ["-m", "engines.controllers.process", "tiny"]
+        assert child.cmdline()[-3:] == ["-m", "engines.controllers.runtime.process", "tiny"]
     finally:
         side.close()
         main.close()
@@ -67,9 +67,9 @@ def test_a_runtime_process_that_cannot_start_says_why(objects, tiny_dir):
 
 REPLICA = textwrap.dedent("""
     import json, sys, time
-    from engines.controllers.process import RuntimeProcess, RuntimeStart
-    from engines.controllers.runtime import Limits
-    from engines.controllers.shm import ChannelObjects
+    from engines.controllers.runtime.process import RuntimeProcess, RuntimeStart
+    from engines.controllers.runtime.runtime import Limits
+    from engines.controllers.ipc.shm import ChannelObjects
     prefix, model_dir = sys.argv[1], sys.argv[2]
     objects = ChannelObjects(prefix)
     runtime = RuntimeProcess("tiny", RuntimeStart(prefix, model_dir, 49152, {}, Limits()))
@@ -124,7 +124,7 @@ def _stats(steps: list[float], mid: int, live: int) -> RuntimeStats:
 
 def test_the_replica_hands_on_only_what_is_new_and_asks_only_after_controllers_ran(
         monkeypatch, recorded):
-    from engines.controllers import service
+    from engines.controllers.runtime import service
 
     metrics = EngineMetrics(recorded, recorded.keeper)
     monkeypatch.setattr(service, "engine_metrics", lambda: metrics)

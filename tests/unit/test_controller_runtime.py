@@ -1,4 +1,4 @@
-"""The controller runtime (engines/controllers/runtime.py): the seed's commands against scripted
+"""The controller runtime (engines/controllers/runtime/runtime.py): the seed's commands against scripted
 controllers, llguidance's, and over the shared-memory transport.
 
 Shapes are checked against aicirt's documented examples (``docs/protocols/controller-runtime.md``):
@@ -16,10 +16,10 @@ import uuid
 import numpy as np
 import pytest
 
-from engines.controllers.base import Controller
-from engines.controllers.channels import MainClient, MainServer, SideClient, SideServer
-from engines.controllers.runtime import ControllerRuntime, Limits, module_id_of
-from engines.controllers.shm import BiasMatrix
+from engines.controllers.api.base import Controller
+from engines.controllers.ipc.channels import MainClient, MainServer, SideClient, SideServer
+from engines.controllers.ipc.shm import BiasMatrix
+from engines.controllers.runtime.runtime import ControllerRuntime, Limits, module_id_of
 from tests.controllers import VOCAB, FakeTokenizer, Scripted, WireRuntime
 
 
@@ -321,15 +321,15 @@ def test_instantiate_that_overruns_its_bound_is_answered_and_not_kept():
 
 @pytest.fixture(scope="module")
 def hf_tokenizer_info():
-    from engines.controllers.builtin import HFTokenizerInfo
-    from engines.embedded import prepare_embedded_model
+    from engines.controllers.runtime.builtin import HFTokenizerInfo
+    from engines.kit.embedded import prepare_embedded_model
     info = HFTokenizerInfo.from_pretrained(str(prepare_embedded_model(progress=False)))
     assert info.llg.vocab_size == info.vocab_size  # built once, as the runtime's start does
     return info
 
 
 def test_llguidance_masks_digits_fast_forwards_literals_and_stops(hf_tokenizer_info):
-    from engines.controllers.builtin import BUILTIN_CONTROLLERS
+    from engines.controllers.runtime.builtin import BUILTIN_CONTROLLERS
     tok = hf_tokenizer_info
     # A generous step bound: the first masks of a grammar are the slowest, and CI is busy.
     rt = WireRuntime(tok, BUILTIN_CONTROLLERS, limits=Limits(step_s=2.0, init_s=10.0))
@@ -356,7 +356,7 @@ def test_llguidance_masks_digits_fast_forwards_literals_and_stops(hf_tokenizer_i
 
 
 def test_llguidance_refuses_bad_grammars_at_instantiate(hf_tokenizer_info):
-    from engines.controllers.builtin import BUILTIN_CONTROLLERS
+    from engines.controllers.runtime.builtin import BUILTIN_CONTROLLERS
     rt = WireRuntime(hf_tokenizer_info, BUILTIN_CONTROLLERS, limits=Limits(init_s=10.0))
     for arg in ("not json", '{"nogrammar": 1}',
                 {"grammar": {"grammars": [{"lark_grammar": "start: /[0-9/"}]}}):
@@ -367,8 +367,8 @@ def test_llguidance_refuses_bad_grammars_at_instantiate(hf_tokenizer_info):
 
 
 def test_llguidance_forks_are_independent(hf_tokenizer_info):
-    from engines.controllers.base import ControllerContext, Variables
-    from engines.controllers.builtin import GuidanceController
+    from engines.controllers.api.base import ControllerContext, Variables
+    from engines.controllers.runtime.builtin import GuidanceController
     tok = hf_tokenizer_info
     arg = '{"grammar": {"grammars": [{"lark_grammar": "start: \\"a\\" | \\"b\\" \\"c\\""}]}}'
     ctx = ControllerContext(tok, Variables())

@@ -1,4 +1,4 @@
-"""The aicirt shared-memory transport (engines/controllers/shm.py), driven from both ends.
+"""The aicirt shared-memory transport (engines/controllers/ipc/shm.py), driven from both ends.
 
 The oracle for the wire format is aicirt's (``docs/protocols/controller-runtime.md``): the
 "foreign" ends below are written against raw ``posix_ipc`` and ``struct``, not this module, so
@@ -22,7 +22,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from engines.controllers.channels import (
+from engines.controllers.ipc.channels import (
     MainClient,
     MainServer,
     RuntimeReplyError,
@@ -31,7 +31,7 @@ from engines.controllers.channels import (
     error_reply,
     ok_reply,
 )
-from engines.controllers.shm import (
+from engines.controllers.ipc.shm import (
     BiasMatrix,
     ChannelClosed,
     ChannelError,
@@ -413,8 +413,8 @@ def test_side_errors_timeouts_and_the_bound_on_waiting_requests(prefix):
 RUNTIME = r"""
 import sys, threading
 import numpy as np
-from engines.controllers.shm import BiasMatrix
-from engines.controllers.channels import MainServer, SideServer, ok_reply
+from engines.controllers.ipc.shm import BiasMatrix
+from engines.controllers.ipc.channels import MainServer, SideServer, ok_reply
 prefix, vocab = sys.argv[1], int(sys.argv[2])
 bias = BiasMatrix(prefix, create=False)
 main, side = MainServer(prefix), SideServer(prefix)

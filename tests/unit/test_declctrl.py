@@ -1,4 +1,4 @@
-"""declctrl (engines/controllers/declctrl.py) against a stand-in for the engine that respects
+"""declctrl (engines/controllers/runtime/declctrl.py) against a stand-in for the engine that respects
 its masks and edits: every construct, with the embedded model's real tokenizer (llguidance
 needs one). The stand-in "model" wants to write one of ``scripts`` (the first that the text so
 far begins): at each step it picks the allowed token that continues it furthest, EOS when it
@@ -13,15 +13,15 @@ import re
 import numpy as np
 import pytest
 
-from engines.controllers.base import ControllerContext, ControllerError, Variables
-from engines.controllers.declctrl import SEP, DeclController
+from engines.controllers.api.base import ControllerContext, ControllerError, Variables
+from engines.controllers.runtime.declctrl import SEP, DeclController
 from tests import aici_ast as ast
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from engines.controllers.builtin import HFTokenizerInfo
-    from engines.embedded import prepare_embedded_model
+    from engines.controllers.runtime.builtin import HFTokenizerInfo
+    from engines.kit.embedded import prepare_embedded_model
     return HFTokenizerInfo.from_pretrained(str(prepare_embedded_model(progress=False)))
 
 

@@ -1,17 +1,17 @@
-"""engines.detokenize: each token's text, with a real tokenizer (the embedded model's)."""
+"""engines.kit.detokenize: each token's text, with a real tokenizer (the embedded model's)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engines.detokenize import IncrementalDecoder
+from engines.kit.detokenize import IncrementalDecoder
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.embedded import prepare_embedded_model
 
     return AutoTokenizer.from_pretrained(str(prepare_embedded_model()))
 

@@ -23,9 +23,9 @@ from contract import (
     TokenEvent,
     Usage,
 )
-from engines import placement
-from engines.config import ModelConfig
-from engines.kinds import ENGINE_KINDS, EngineKind, create_engine
+from engines.kit import placement
+from engines.kit.config import ModelConfig
+from engines.kit.kinds import ENGINE_KINDS, EngineKind, create_engine
 from tests.fake_engine import FakeEngine
 
 
@@ -285,7 +285,7 @@ async def test_closing_after_the_last_final_event_is_no_abort():
 
 
 def test_controllers_default_on_only_where_the_kind_runs_them(monkeypatch):
-    from engines.config import Controllers
+    from engines.kit.config import Controllers
 
     assert ModelConfig(name="v").controllers == Controllers()
     assert ModelConfig(name="p", engine="pipeline").controllers == Controllers()

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from contract import TokenPrompt
-from engines.config import ModelConfig
+from engines.kit.config import ModelConfig
 from gateway.config import GatewayConfig
 from gateway.ingress.asgi import create_app
 from gateway.ingress.registry import ModelRegistry

@@ -17,7 +17,7 @@ from contract import (
     TextPrompt,
     TokenEvent,
 )
-from engines.config import Autoscaling, ModelConfig
+from engines.kit.config import Autoscaling, ModelConfig
 from gateway.config import GatewayConfig
 from gateway.ingress.asgi import create_app
 from gateway.ingress.local_engine import CloseStreamsWithRequest, LocalEngineClient

@@ -9,13 +9,13 @@ import asyncio
 import pytest
 
 from contract import ErrorEvent, FinalEvent, GenerateRequest, Sampling, TextPrompt
-from engines.config import ModelConfig
-from engines.host import EngineHost
+from engines.kit.config import ModelConfig
 from engines.pipeline.budget import BudgetFull, KVBudget, NeverFits, tokens_for
 from engines.pipeline.engine import PipelineEngine
 from engines.pipeline.loading import load_layers
 from engines.pipeline.stage import StageCore
 from engines.pipeline.stages import LocalStages
+from engines.replica.host import EngineHost
 
 
 async def test_reservations_wait_in_order_and_give_back():
@@ -120,7 +120,7 @@ async def test_too_many_waiting_is_overloaded_and_one_too_large_is_a_validation_
 
 
 def test_the_kind_table_knows_the_pipelines_default_concurrency():
-    from engines.kinds import ENGINE_KINDS
+    from engines.kit.kinds import ENGINE_KINDS
     from engines.pipeline.config import PipelineArgs
 
     assert ENGINE_KINDS["pipeline"].default_concurrency == PipelineArgs().max_sequences

@@ -23,9 +23,9 @@ from contract import (
     TextPrompt,
     TokenEvent,
 )
-from engines.config import Controllers
-from engines.host import EngineHost
+from engines.kit.config import Controllers
 from engines.pipeline.engine import PipelineEngine
+from engines.replica.host import EngineHost
 from tests.pipeline_models import local_pipeline
 
 PROMPT = "The capital of France is"

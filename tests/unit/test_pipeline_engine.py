@@ -20,8 +20,7 @@ from contract import (
     TextPrompt,
     TokenEvent,
 )
-from engines.config import ModelConfig
-from engines.host import EngineHost
+from engines.kit.config import ModelConfig
 from engines.pipeline.config import PipelineArgs, plan_stages
 from engines.pipeline.engine import PipelineEngine
 from engines.pipeline.loading import load_layers
@@ -29,6 +28,7 @@ from engines.pipeline.sampling import Sampler
 from engines.pipeline.stage import CacheMismatch, StageCore
 from engines.pipeline.stages import LocalStages, Resolved
 from engines.pipeline.text import OutputText
+from engines.replica.host import EngineHost
 from tests.pipeline_models import local_pipeline
 
 PROMPT = "The capital of France is"
@@ -216,7 +216,7 @@ def test_output_text_holds_back_a_possible_stop_string():
     ({"layers": 3}, "unknown field"),
 ])
 def test_bad_layer_plans_fail_at_config_load(args, message):
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.embedded import prepare_embedded_model
 
     prepare_embedded_model(progress=False)  # readable here, so coverage is checked too
     with pytest.raises(ValueError, match=message):
@@ -328,7 +328,7 @@ async def test_bfloat16_pipeline_follows_the_unsplit_bfloat16_model():
     (tests/serve_session.py: a logit near 20 is resolved to 0.125 in bf16). The prompt fits one
     prefill chunk, so both sides run the same kernel shapes on any CPU (bf16 rounding differs
     between shapes enough to flip a close greedy choice)."""
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.embedded import prepare_embedded_model
     from tests.serve_session import LOGPROB_TOLERANCE
 
     path = prepare_embedded_model(progress=False)

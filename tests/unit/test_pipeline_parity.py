@@ -27,7 +27,7 @@ PROMPT_LEN, CHUNK, DECODE = 11, 4, 8  # prefill chunks 4 + 4 + 3; the window (5)
 @pytest.fixture(scope="module", params=list(RANGES))
 def model_dir(request, tmp_path_factory) -> tuple[str, Path]:
     if request.param == "smollm2":
-        from engines.embedded import prepare_embedded_model
+        from engines.kit.embedded import prepare_embedded_model
 
         return request.param, prepare_embedded_model(progress=False)
     return request.param, build_tiny(request.param, tmp_path_factory.mktemp(request.param))

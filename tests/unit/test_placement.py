@@ -1,4 +1,4 @@
-"""The serving stack keeps off the CPUs vLLM's worker computes on (``engines/placement.py``):
+"""The serving stack keeps off the CPUs vLLM's worker computes on (``engines/kit/placement.py``):
 the engine's CPUs found from the pinned processes under the replica, every thread of a moved
 process moved (threads it starts later included), and nothing done outside a Ray worker."""
 
@@ -12,9 +12,9 @@ import textwrap
 import psutil
 import pytest
 
-from engines import placement
-from engines.placement import _pinned, serving_cpus
-from engines.reaper import start_ticks
+from engines.kit import placement
+from engines.kit.placement import _pinned, serving_cpus
+from engines.kit.reaper import start_ticks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
@@ -47,7 +47,7 @@ def test_set_threads_moves_every_thread_and_the_ones_started_later():
     # In a process of its own, as a replica is: moving this one would move pytest.
     script = textwrap.dedent("""
         import os, threading
-        from engines.placement import _set_threads
+        from engines.kit.placement import _set_threads
         def mask(tid):
             # A joined thread's id can stay listed a moment after join() returns: gone is fine.
             try:
@@ -131,7 +131,7 @@ def test_a_replicas_engine_workers_are_the_pinned_processes_started_under_it_sin
     pins = _PINS_ITSELF % max(os.sched_getaffinity(0))
     script = textwrap.dedent(f"""
         import subprocess, sys, time
-        from engines.placement import _ticks_now
+        from engines.kit.placement import _ticks_now
         def pinned():
             child = subprocess.Popen([sys.executable, "-c", {pins!r}], stdout=subprocess.PIPE,
                                      text=True)

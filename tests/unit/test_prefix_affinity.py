@@ -1,4 +1,4 @@
-"""Prefix-aware routing's policy (engines/prefix_affinity.py) and HAProxy's router's reading of
+"""Prefix-aware routing's policy (engines/caller/prefix_affinity.py) and HAProxy's router's reading of
 request bodies (gateway/model_replica/router.py): keys that name whole prefixes, a conversation kept
 on the replica that holds its history unless that replica is too loaded, a hot prefix spread
 once its replica is, dead replicas forgotten, and the same keys from a raw body as from the
@@ -17,8 +17,7 @@ import msgspec
 import pytest
 
 from contract import ChatMessage, ChatPrompt, GenerateRequest, TextPrompt, TokenPrompt
-from engines.config import ModelConfig, Routing
-from engines.prefix_affinity import (
+from engines.caller.prefix_affinity import (
     BLOCK_CHARS,
     MAX_BLOCKS,
     PrefixAffinity,
@@ -26,6 +25,7 @@ from engines.prefix_affinity import (
     prefix_blocks,
     prompt_text,
 )
+from engines.kit.config import ModelConfig, Routing
 from gateway.model_replica.router import body_blocks
 
 SYSTEM = "You are a careful assistant. " * 20  # about 560 characters: four blocks
@@ -168,20 +168,20 @@ def test_the_router_class_survives_serves_pickling_by_value(tmp_path):
     router would not be one there (every request would be routed by load, as happened)."""
     from ray import cloudpickle
 
-    import engines.prefix_router
+    import engines.caller.prefix_router
 
-    cloudpickle.register_pickle_by_value(engines.prefix_router)
+    cloudpickle.register_pickle_by_value(engines.caller.prefix_router)
     try:
         (tmp_path / "router.pkl").write_bytes(
-            cloudpickle.dumps(engines.prefix_router.PrefixAwareRouter))
+            cloudpickle.dumps(engines.caller.prefix_router.PrefixAwareRouter))
     finally:
-        cloudpickle.unregister_pickle_by_value(engines.prefix_router)
+        cloudpickle.unregister_pickle_by_value(engines.caller.prefix_router)
     child = textwrap.dedent(f"""
-        import engines.prefix_router, engines.routing
+        import engines.caller.prefix_router, engines.caller.routing
         from ray import cloudpickle
         copy = cloudpickle.loads(open({str(tmp_path / "router.pkl")!r}, "rb").read())
-        assert copy is not engines.prefix_router.PrefixAwareRouter  # a copy, as in Serve
-        assert copy.choose_replicas.__globals__["request_blocks"] is engines.routing.request_blocks
+        assert copy is not engines.caller.prefix_router.PrefixAwareRouter  # a copy, as in Serve
+        assert copy.choose_replicas.__globals__["request_blocks"] is engines.caller.routing.request_blocks
         """)
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2])

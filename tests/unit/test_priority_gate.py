@@ -1,4 +1,4 @@
-"""The replica's priority gate (engines/priority_gate.py; docs/tenancy.md): what runs, what
+"""The replica's priority gate (engines/replica/priority_gate.py; docs/tenancy.md): what runs, what
 waits, in which order, and the headroom a flood of a worse priority leaves free."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from engines.config import ModelConfig, Scheduling
-from engines.priority_gate import PriorityGate
+from engines.kit.config import ModelConfig, Scheduling
+from engines.replica.priority_gate import PriorityGate
 
 
 async def _hold(gate: PriorityGate, priority: int, order: list, release: asyncio.Event):

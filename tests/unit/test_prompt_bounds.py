@@ -21,10 +21,10 @@ from contract import (
     TextPrompt,
     TokenPrompt,
 )
-from engines.embedded import local_model_dir
-from engines.host import INLINE_CHARS
-from engines.offload import Busy, Offload
-from engines.tokens import prompt_char_limit
+from engines.kit.embedded import local_model_dir
+from engines.kit.tokens import prompt_char_limit
+from engines.replica.host import INLINE_CHARS
+from engines.replica.offload import Busy, Offload
 from gateway.ingress.asgi import create_app
 from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import MAX_MODEL_LEN, FakeEngine, FakeModel

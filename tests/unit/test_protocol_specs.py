@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from engines.embedded import EMBEDDED_MODEL_NAME
+from engines.kit.embedded import EMBEDDED_MODEL_NAME
 from gateway.config import GatewayConfig
 from gateway.ingress.asgi import create_app
 from gateway.ingress.registry import ModelRegistry

@@ -1,4 +1,4 @@
-"""The reaper (engines/reaper.py) with a real process tree: an "owner" (the replica) with a child
+"""The reaper (engines/kit/reaper.py) with a real process tree: an "owner" (the replica) with a child
 (vLLM's EngineCore) that would outlive it, started before or after the reaper. Killing the owner
 with SIGKILL must end the child; a pid whose start time differs is never touched."""
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from engines.reaper import _alive, _exit_waiter, start_reaper, start_ticks, watch
+from engines.kit.reaper import _alive, _exit_waiter, start_reaper, start_ticks, watch
 from tests.processes import gone_within
 
 # The owner waits for a line on stdin, then starts a child that would outlive it and prints

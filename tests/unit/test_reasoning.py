@@ -23,8 +23,8 @@ from contract import (
     TextPrompt,
     TokenEvent,
 )
-from engines.controllers.base import ControllerContext, ControllerError, Variables
-from engines.controllers.reasoning import ReasoningController
+from engines.controllers.api.base import ControllerContext, ControllerError, Variables
+from engines.controllers.runtime.reasoning import ReasoningController
 from gateway.config import GatewayConfig
 from gateway.ingress.asgi import create_app
 from gateway.ingress.registry import ModelRegistry
@@ -110,7 +110,7 @@ async def test_a_prompt_that_closed_the_reasoning_is_answer_only():
 async def test_text_a_detokenizer_held_back_is_split_where_it_lands():
     """vLLM may put several tokens' text on the last of them (a busy consumer): the split
     reads the marker inside the merged text."""
-    from engines.reasoning import ReasoningFormat
+    from engines.replica.reasoning import ReasoningFormat
 
     tokens = [ord("T"), ord("w"), END, ord("F"), ord("o")]
     texts = ["", "", "", "Tw</think>F", "o"]
@@ -307,8 +307,8 @@ async def test_text_protocols_get_the_answer_only():
 
 
 async def test_thinking_tokens_are_counted_in_the_engines_metrics(recorded, monkeypatch):
-    from engines import host
-    from engines.telemetry import EngineMetrics
+    from engines.kit.telemetry import EngineMetrics
+    from engines.replica import host
 
     metrics = EngineMetrics(recorded, recorded.keeper)
     monkeypatch.setattr(host, "engine_metrics", lambda: metrics)

@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from contract import ErrorEvent, FinalEvent, GenerateRequest, Sampling, TextPrompt, TokenEvent
-from engines import kinds
-from engines.config import ModelConfig
-from engines.host import EngineHost
+from engines.kit import kinds
+from engines.kit.config import ModelConfig
+from engines.replica.host import EngineHost
 from gateway.config import GatewayConfig
 from gateway.ingress.asgi import create_app
 from gateway.ingress.registry import ModelRegistry

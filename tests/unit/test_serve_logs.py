@@ -1,4 +1,4 @@
-"""This project's log lines in a Serve replica's log file (engines/serve_logs.py), also after
+"""This project's log lines in a Serve replica's log file (engines/replica/serve_logs.py), also after
 an engine's start reconfigured logging (vLLM's import runs ``logging.config.dictConfig``)."""
 
 import logging
@@ -7,7 +7,7 @@ import logging.handlers
 
 import pytest
 
-from engines.serve_logs import PROJECT_LOGGERS, keeping_serve_logs, log_with_serve
+from engines.replica.serve_logs import PROJECT_LOGGERS, keeping_serve_logs, log_with_serve
 
 
 @pytest.fixture
@@ -31,10 +31,10 @@ def serve_log(tmp_path):
 
 def test_project_lines_and_serves_own_survive_a_logging_reconfiguration(serve_log):
     log_with_serve()
-    logging.getLogger("engines.host").info("before the engine")
+    logging.getLogger("engines.replica.host").info("before the engine")
     with keeping_serve_logs():
         logging.config.dictConfig({"version": 1, "disable_existing_loggers": False})
-    logging.getLogger("engines.host").info("after the engine")
+    logging.getLogger("engines.replica.host").info("after the engine")
     logging.getLogger("ray.serve").info("an access line")
     assert serve_log.read_text().splitlines() == ["before the engine", "after the engine",
                                                   "an access line"]

@@ -3,7 +3,7 @@
 import asyncio
 
 from contract import ErrorEvent, FinalEvent, TokenEvent, Usage
-from engines.deployment import drain_batches
+from engines.replica.deployment import drain_batches
 from protocols.streams import merge, peek, reindexed
 
 
@@ -83,9 +83,9 @@ async def test_drain_batches_close_cancels_the_producer():
 
 
 async def test_a_dead_callers_streams_end_and_their_engine_requests_close():
-    """engines.callers: the ingress that asked died; its generations are aborted (the engine
+    """engines.replica.callers: the ingress that asked died; its generations are aborted (the engine
     stream closed), another caller's go on, and the stream ends without raising."""
-    from engines.callers import CallerWatch
+    from engines.replica.callers import CallerWatch
 
     dead, alive = ("SERVE_REPLICA::gateway#GatewayIngress#dead", "serve"), ("other", "serve")
     watch = CallerWatch(alive=lambda caller: caller != dead, interval_s=0.05)
@@ -108,7 +108,7 @@ async def test_a_dead_callers_streams_end_and_their_engine_requests_close():
 
 
 async def test_a_caller_check_that_fails_cancels_nothing():
-    from engines.callers import CallerWatch
+    from engines.replica.callers import CallerWatch
 
     def broken(caller):
         raise ConnectionError("GCS restarting")

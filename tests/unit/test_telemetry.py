@@ -21,8 +21,8 @@ from contract import (
     TokenEvent,
     Usage,
 )
-from engines.config import ModelConfig
-from engines.telemetry import CountedHistogram, EngineMetrics
+from engines.kit.config import ModelConfig
+from engines.kit.telemetry import CountedHistogram, EngineMetrics
 from gateway.config import GatewayConfig
 from gateway.ingress.asgi import create_app
 from gateway.ingress.keys import ApiKey

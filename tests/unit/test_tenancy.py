@@ -267,7 +267,7 @@ def test_policies_are_validated():
 async def test_within_a_tier_a_light_key_overtakes_a_heavy_one_at_a_full_replica():
     """Fair share by tokens: both keys in tier 1, the replica's gate full; the heavy key's
     request waited first, the light key's starts first."""
-    from engines.priority_gate import PriorityGate
+    from engines.replica.priority_gate import PriorityGate
 
     engine = FakeEngine(delay=0.01)
     engine.gate = PriorityGate(max_running=1)

@@ -1,4 +1,4 @@
-"""Tools in the prompt (engines/tool_prompts.py, through engines.tokens.render_prompt) with the
+"""Tools in the prompt (engines/kit/tool_prompts.py, through engines.kit.tokens.render_prompt) with the
 embedded model's real tokenizer: its own template knows no tools (the written fallback), and
 the same tokenizer with a template that reads ``tools`` renders them its own way."""
 
@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from contract import ChatMessage, ChatPrompt, ToolCall, ToolDefinition
-from engines.tokens import render_prompt
+from engines.kit.tokens import render_prompt
 
 WEATHER = ToolDefinition(name="get_weather", description="Weather now",
                          parameters='{"type": "object", "properties": {"city": {"type": "string"}}}')
@@ -35,7 +35,7 @@ TOOLS_TEMPLATE = (
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from engines.embedded import prepare_embedded_model
+    from engines.kit.embedded import prepare_embedded_model
     return AutoTokenizer.from_pretrained(str(prepare_embedded_model(progress=False)))
 
 

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contract import ToolCall, ToolDefinition
-from engines.controllers.base import ControllerContext, Variables
-from engines.controllers.builtin import GuidanceController
+from engines.controllers.api.base import ControllerContext, Variables
+from engines.controllers.runtime.builtin import GuidanceController
 from protocols.tools import (
     ArgumentsPiece,
     CallStart,
@@ -40,8 +40,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "uni
 
 @pytest.fixture(scope="module")
 def tok():
-    from engines.controllers.builtin import HFTokenizerInfo
-    from engines.embedded import prepare_embedded_model
+    from engines.controllers.runtime.builtin import HFTokenizerInfo
+    from engines.kit.embedded import prepare_embedded_model
     return HFTokenizerInfo.from_pretrained(str(prepare_embedded_model(progress=False)))
 
 

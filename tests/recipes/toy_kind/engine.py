@@ -20,8 +20,8 @@ from contract import (
     TokenEvent,
     Usage,
 )
-from engines.base import Admitted, PromptError
-from engines.config import ModelConfig
+from engines.kit.base import Admitted, PromptError
+from engines.kit.config import ModelConfig
 
 
 class CharTokenizer:
