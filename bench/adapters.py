@@ -1,6 +1,6 @@
 """LoRA adapters' cost: output throughput and TTFT with 8 adapters in rotation against the base
 model alone, on one gateway (the default layout, the tiny model with ``lora`` on), the two loads
-alternated in one run (docs/benchmarks.md, "LoRA adapters").
+alternated in one run (docs/results/benchmarks-2026-12-07.md, "LoRA adapters").
 
     python bench/adapters.py [--adapters 8] [--max-loaded 4] [--passes 4] [--concurrency 16]
                              [--num-prompts 256]

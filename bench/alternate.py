@@ -2,7 +2,7 @@
 setting does, without the box's drift between server starts.
 
 bench/compare.py starts every server afresh each round, and rounds of the same server have read
-up to a third apart on these boxes (docs/benchmarks.md, "Telling the box's drift from the
+up to a third apart on these boxes (docs/results/benchmarks-2026-12-07.md, "Telling the box's drift from the
 server's"). Here one server stays up, and the CPUs or the niceness of its ``VLLM::EngineCore``
 (the scheduler: it feeds the worker each step and takes its outputs) change between loads in
 ABBA order, so that a drift linear in time cancels. The worker and every other process stay as
@@ -22,7 +22,7 @@ the server placed them. Settings:
 Each load records the rate and latencies, CPU per token by process, the scheduler's and the
 worker's CPU and run-queue wait per token (``cputime.schedstat``), and the load generator's own
 CPU per token, its start included (it shares the box). Results: ``bench/results/alternate.json``
-and ``alternate.md``; docs/benchmarks.md, "vLLM's busy wait". A setting slow to change
+and ``alternate.md``; docs/results/benchmarks-2026-12-07.md, "vLLM's busy wait". A setting slow to change
 (``second``: a deploy takes minutes) can run ``--visit K`` loads in a row; each load then pairs
 with its like in the next visit ("The two-model bar over two more runs")::
 

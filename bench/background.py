@@ -4,7 +4,7 @@ and Serve's processes included), then under a short load (per streamed token).
 The README's default layout (``serve_config.yaml``'s: the model its own application, the gateway
 application naming it, HAProxy on the public port) on the tiny random-weight model, optionally
 with the gateway's code of another checkout (``--tree``) so that two trees can be read one after
-another. Results: docs/benchmarks.md ("The idle gateway ingress", issue 32).
+another. Results: docs/results/benchmarks-2026-12-07.md ("The idle gateway ingress", issue 32).
 
     python bench/background.py --idle-s 60 --prompts 256
     python bench/background.py --tree <checkout of an earlier commit> --prompts 0

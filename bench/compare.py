@@ -8,7 +8,7 @@ and TPOT it reads the CPU time of each server's process tree and reports **CPU s
 of a serving stack's overhead that does not depend on how fast the box's engine step is
 (``cputime.py``). The engine's own column is no step cost: under load vLLM's processes poll
 their queues in a busy wait, so on CPU the worker's share is its core's wall time
-(docs/benchmarks.md, "vLLM's busy wait").
+(docs/results/benchmarks-2026-12-07.md, "vLLM's busy wait").
 
 Two models: the embedded SmolLM2 (the README's default), and a tiny random-weight Llama (4
 layers, hidden 256, made on the fly) on which the engine is nearly free, so the serving stack's

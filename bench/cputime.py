@@ -170,7 +170,7 @@ def box_spent(before: dict[str, float], after: dict[str, float], server_cpu_s: f
     the share of its CPU time a hypervisor gave other guests (``steal``), and the CPU seconds
     per second that processes outside the server's tree spent (the load generator, anything
     left running). Either moving between rounds moves every server's speed, whatever its
-    code (docs/benchmarks.md, "Telling the box's drift from the server's")."""
+    code (docs/results/benchmarks-2026-12-07.md, "Telling the box's drift from the server's")."""
     delta = {k: after[k] - before[k] for k in after}
     total = sum(delta.values()) or 1.0
     busy = total - delta.get("idle", 0.0) - delta.get("iowait", 0.0) - delta.get("steal", 0.0)
@@ -196,7 +196,8 @@ def schedstat(pids: list[int]) -> dict[int, tuple[float, float]]:
     summed over its threads (``/proc/<pid>/task/<tid>/schedstat``). A thread that busy-waits
     with ``sched_yield``, as vLLM's processes do on their shared-memory queues for a second
     after each read, stays runnable throughout: its wait is then time others ran, not a delay of
-    its work, and its CPU is partly the wait itself (docs/benchmarks.md, "vLLM's busy wait")."""
+    its work, and its CPU is partly the wait itself (docs/results/benchmarks-2026-12-07.md,
+    "vLLM's busy wait")."""
     out: dict[int, tuple[float, float]] = {}
     for pid in pids:
         try:
@@ -227,7 +228,7 @@ def kill_leftovers(tree: dict[int, tuple[bool, float]]) -> None:
 def main_threads(pids: list[int]) -> dict[int, tuple[float, int]]:
     """``{pid: (CPU seconds, voluntary context switches)}`` of each process's main thread (its
     thread id is its pid). A Ray worker's main thread runs Ray's task loop, whose 10 ms signal
-    check wakes it ~100 times a second whatever the load (docs/benchmarks.md, "Ray's signal
+    check wakes it ~100 times a second whatever the load (docs/results/benchmarks-2026-12-07.md, "Ray's signal
     check and HAProxy's threads")."""
     out: dict[int, tuple[float, int]] = {}
     for pid in pids:

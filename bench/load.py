@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The load generator shares the box with the server it measures. At normal priority, under a
 # hog, it was starved itself on the fast layout: 1.0-4.1 s of run-queue wait per 5 s run for
 # 0.2 s of CPU, event-loop stalls up to 1.2 s, while the replica, from Serve's direct-ingress
-# entry to the first token, took 80-150 ms (docs/benchmarks.md, "The load generator"). That
+# entry to the first token, took 80-150 ms (docs/results/benchmarks-2026-12-07.md, "The load generator"). That
 # is the client's wait, not the server's. At real-time priority (SCHED_FIFO) its wake-ups run
 # at once, the nearest a one-box bench gets to a client on its own machine; a client like it
 # used about 0.4 s of CPU per 5 s run, and every target gets the same.

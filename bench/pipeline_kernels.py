@@ -8,7 +8,7 @@ Usage::
     python bench/pipeline_kernels.py [--rounds 3] [--tokens 32] [--stages 2]
 
 Both pipelines measured round-robin in one run, every round reported (the first includes
-building the kernels). Run it on an idle box; it records the CPU flags. docs/benchmarks.md,
+building the kernels). Run it on an idle box; it records the CPU flags. docs/results/benchmarks-2026-12-07.md,
 "Packed weights".
 """
 

@@ -1,6 +1,6 @@
 """Routing by prefix on two replicas: this gateway's against Serve's default routing, Ray Serve
 LLM's prefix-aware router (direct streaming, behind HAProxy, placed like the gateway) and one
-replica alone, on shared-prefix load and on load that shares nothing (docs/benchmarks.md,
+replica alone, on shared-prefix load and on load that shares nothing (docs/results/benchmarks-2026-12-07.md,
 "Routing by prefix").
 
     python bench/routing.py [--models tiny,embedded] [--targets single,default,prefix,...]

@@ -292,7 +292,7 @@ STARTERS = {"bare": serve_bare,
             # sending requests that name it there.
             "gateway": serve_model_apps,
             # The default layout with vLLM eager: no compile at start, slower steps
-            # (docs/benchmarks.md, "vLLM eager vs compiled").
+            # (docs/results/benchmarks-2026-12-07.md, "vLLM eager vs compiled").
             "gateway-eager": _eager(serve_model_apps),
             # The same from another checkout (BENCH_BEFORE_TREE): a change's before and after.
             "gateway-before": serve_before,
@@ -317,7 +317,7 @@ STARTERS = {"bare": serve_bare,
             # the default layout before the engine channel).
             "gateway-over-ray": functools.partial(serve_gateway, transport="ray"),
             "gateway-serve-proxy-over-ray": functools.partial(_SERVE_PROXY, transport="ray"),
-            # Names of earlier runs (docs/benchmarks.md), HAProxy on the port whatever the
+            # Names of earlier runs (docs/results/benchmarks-2026-12-07.md), HAProxy on the port whatever the
             # default: the same as gateway, gateway-over-ray and gateway-colocated now.
             "gateway-haproxy": _HAPROXY,
             "gateway-haproxy-over-ray": functools.partial(_HAPROXY, transport="ray"),

@@ -1,5 +1,5 @@
 """Tiers under load: a better tier's TTFT alone and under a flood of a worse tier, and an
-interactive key's TTFT idle and while a batch runs (docs/benchmarks.md, "Tenants").
+interactive key's TTFT idle and while a batch runs (docs/results/benchmarks-2026-12-07.md, "Tenants").
 
     python bench/tenancy.py [--rounds 3] [--gates 16/4,8/4,off] [--flood 64] [--batch-lines 256]
 

@@ -2,7 +2,8 @@
 replica, engine replica), one frame per engine step carrying every stream's new events.
 
 Streaming each request's events as Ray objects cost a Ray call per streamed batch and per hop;
-on a fast engine that, not the model, bounded throughput (``docs/benchmarks.md``, "The engine
+on a fast engine that, not the model, bounded throughput
+(``docs/results/benchmarks-2026-12-07.md``, "The engine
 channel"). Ray keeps what it is good at: the ingress starts each generation with one Serve call
 (routing, the replicas' queue bounds, back-pressure and replica-death errors are Serve's, as
 before), passing its :class:`ChannelAddress`; the engine replica writes the generation's events

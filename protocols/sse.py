@@ -5,7 +5,7 @@ and terminator: ``data: `` for OpenAI, AICI and LMI (``[DONE]`` after OpenAI's a
 JSON is encoded with msgspec: compact separators, UTF-8 as is (no ``\\u`` escapes), NaN and
 infinities as ``null`` (never as bare tokens, which JSON cannot carry), and a fraction of
 ``json.dumps``' time per chunk, which runs once per streamed token in the replica
-that serves the request (docs/benchmarks.md, "The replica's own cost per token, on an AVX2
+that serves the request (docs/results/benchmarks-2026-12-07.md, "The replica's own cost per token, on an AVX2
 box").
 """
 

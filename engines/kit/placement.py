@@ -6,7 +6,7 @@ proxy, HAProxy, the replicas and the engine's own scheduler process stay free to
 worker's cores. Each of their wake-ups there preempts the forward pass. On a 2-core box with
 the embedded model in bf16 that cost the fast layout 12 % of its throughput (250 -> 282 tok/s
 with everything moved, alternating on one running gateway; bare vLLM unchanged by the same move;
-docs/benchmarks.md).
+docs/results/benchmarks-2026-12-07.md).
 
 :func:`place` moves every process of this Ray node, threads included, onto the CPUs no vLLM
 worker is pinned to. What computes stays where it is, with everything under it: vLLM's workers,
@@ -23,7 +23,7 @@ placing replica since its claim whose threads are pinned to some CPUs only are i
 workers, recorded in the session's engines file, so that no later placement moves them even
 when vLLM could not set their titles (once in ten starts on a test box both models' processes
 kept the title ``python``, and the second model's placement moved the first one's worker onto
-the serving CPU; docs/benchmarks.md).
+the serving CPU; docs/results/benchmarks-2026-12-07.md).
 
 Only inside a Ray worker process (a replica, an actor), never in a driver or a test process;
 ``LLM_GATEWAY_PLACEMENT=off`` turns it off. Placement never fails a start: an error is logged

@@ -126,7 +126,7 @@ class Levels:
     a gauge's sum instead of reporting 0. Levels are kept here and set by one daemon thread.
     A change is only recorded where it happens (two per request for the in-flight gauges):
     Ray reports a gauge's last value every few seconds, so setting it at once showed nothing
-    more and cost a Ray call each (docs/benchmarks.md, "Placement on a fast engine, and a
+    more and cost a Ray call each (docs/results/benchmarks-2026-12-07.md, "Placement on a fast engine, and a
     request's own cost in the replica").
     """
 

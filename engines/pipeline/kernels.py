@@ -6,7 +6,7 @@ rows a decode step has (one to a few dozen tokens per micro-batch) that is a lar
 call. oneDNN's prepacked form (what torch's own compiler uses for CPU linears; vLLM's CPU
 backend also prepares a oneDNN matmul per weight once) is made once. Measured on the embedded
 model's shapes at 8-16 rows: layer projections 1.2-1.7x faster, the LM head 1.6-2.5x; at one
-row about even (docs/benchmarks.md, "Packed weights").
+row about even (docs/results/benchmarks-2026-12-07.md, "Packed weights").
 
 oneDNN builds a kernel for each weight shape and row count it meets (about 1 ms, once) and
 keeps the last 1,024; a pipeline meets every row count up to ``max_batch_tokens`` for each of

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 OUTBOX = 8
 # Fewer running sequences are not split across micro-batches in flight: a small batch costs
 # about what one sequence does, so halving it halves the work per step (4 sequences on 2 stages:
-# 38.9 tok/s as one micro-batch, 32.4 as two; docs/benchmarks.md, "Pipeline batching").
+# 38.9 tok/s as one micro-batch, 32.4 as two; docs/results/benchmarks-2026-12-07.md, "Pipeline batching").
 _MIN_SHARE = 8
 
 

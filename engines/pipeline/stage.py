@@ -244,7 +244,7 @@ def _load_stage_layers(model_dir: str, start: int, end: int, dtype: str,
                        attn_implementation: str, threads: int | None, device: str,
                        cpu_kernels: str):
     """Layers ``[start, end)`` of the checkpoint on ``device``, packed for oneDNN where
-    ``cpu_kernels`` asks and the device and dtype allow (docs/benchmarks.md, "Packed
+    ``cpu_kernels`` asks and the device and dtype allow (docs/results/benchmarks-2026-12-07.md, "Packed
     weights")."""
     import torch
 

@@ -117,7 +117,7 @@ class RayStages:
         self.model_dir, self.ranges, self.args = model_dir, ranges, args
         # One micro-batch per stage: the origin's work on one (sampling, the next embedding)
         # overlaps the stages' on the others. One more was slower on a 2-core box, where the
-        # origin and the stages share the cores (docs/benchmarks.md, "Pipeline batching").
+        # origin and the stages share the cores (docs/results/benchmarks-2026-12-07.md, "Pipeline batching").
         self.depth = len(ranges)
         self.host_hops = True
         self.label = label

@@ -6,7 +6,7 @@ straight to the next. Ray places the stages, checks them and respawns them; it c
 Why not Ray calls: each chained actor call woke the caller's core worker on the way out and
 back, and a chained ObjectRef returns through its owner (the origin) between stages, so one
 sequence paid ~15 ms a token over two stages on the 2-core box; sockets between the stages
-cost about half (docs/benchmarks.md, "Pipeline hops").
+cost about half (docs/results/benchmarks-2026-12-07.md, "Pipeline hops").
 
 A frame is ``[secret, header]`` or, for a hop, ``[secret, header, hidden bytes, positions
 bytes]``; the header is msgpack of one of the typed messages below. The pipe's secret comes

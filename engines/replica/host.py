@@ -212,7 +212,7 @@ class EngineHost:
             if not finished and progress.open:
                 self.aborted += 1
             # One line per generation at DEBUG (at INFO it cost a visible share of the CPU
-            # outside the engine, docs/benchmarks.md "Observability"); Serve's access line
+            # outside the engine, docs/results/benchmarks-2026-12-07.md "Observability"); Serve's access line
             # for the call carries the request's id at INFO (docs/observability.md).
             log.debug("generation %s: %s, %d prompt + %d generated tokens in %.3f s",
                      request_id, progress.outcome, progress.prompt_tokens, progress.tokens,

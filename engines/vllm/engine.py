@@ -182,7 +182,8 @@ class VLLMEngine:
         # Already tokenized (render): handed to vLLM as a rendered input, which it checks
         # (length, vocabulary) on this loop. A bare {"prompt_token_ids": ...} is a raw prompt
         # that vLLM renders again on a thread of its pool: a thread hop per request for no
-        # work (docs/benchmarks.md, "Placement on a fast engine, and a request's own cost in
+        # work (docs/results/benchmarks-2026-12-07.md, "Placement on a fast engine, and a
+        # request's own cost in
         # the replica").
         outputs = self._llm.generate(tokens_input(prompt_ids), params, request_id,
                                      lora_request=lora,

@@ -348,7 +348,7 @@ def middlewares() -> list[Middleware]:
     questions are moot there (a request that reached a replica has its application's ingress,
     and HAProxy bounds what is in flight, gateway.edge.haproxy_errors), while its watch asked Serve's
     controller and the GCS twice a second under load and it wrapped every streamed chunk
-    (docs/benchmarks.md, "The gate in the replicas")."""
+    (docs/results/benchmarks-2026-12-07.md, "The gate in the replicas")."""
     shapes = ErrorShapes.of_every_protocol()
     if _in_replica():
         return [Middleware(ProxyErrorShape, shapes=shapes)]

@@ -81,10 +81,10 @@ engine. The default layout spends several, on two Ray hops per streamed token (e
 removes one hop, HAProxy in place of Serve's proxy actor the other: what is left is one process
 doing what bare vLLM's API server does (HTTP, detokenizing, encoding) plus HAProxy's relay and
 Serve's replica bookkeeping. On a 2-core box every millisecond of it is taken from the engine,
-so throughput follows the CPU figure. docs/benchmarks.md has the numbers."""),
+so throughput follows the CPU figure. docs/results/benchmarks-2026-12-07.md has the numbers."""),
     ("markdown", """## The embedded model, and the tiny model under contention
 
-Two later runs on the same box, 3 rounds each at c=16 (`docs/benchmarks.md`, "Per-token
+Two later runs on the same box, 3 rounds each at c=16 (`docs/results/benchmarks-2026-12-07.md`, "Per-token
 overhead"): the embedded SmolLM2-135M, where each fp32 engine step is slow, and the tiny model
 again with one busy process pinned to CPU 0 beside every server (`--hog`)."""),
     ("code", """MORE = {"embedded": Path("data/overhead-embedded-2026-11-25.json"),

@@ -1,7 +1,8 @@
 """A controller runtime in a process of its own: a child of the engine replica, not a Ray actor.
 
 Ray's core worker wakes every Ray worker's main thread 100 times a second to check for signals
-(docs/benchmarks.md, "Ray's signal check"), so as a Ray actor each model's runtime spent about
+(docs/results/benchmarks-2026-12-07.md, "Ray's signal check"), so as a Ray actor each model's
+runtime spent about
 0.006 CPU-s/s doing nothing, on the core that serves. A plain child waits on its channels'
 semaphores and nothing else. Its controllers' Python still takes neither the replica's GIL nor
 its CPU time.
