@@ -48,6 +48,7 @@ from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
 from engines.replica.callers import Caller, current_caller
 from gateway.ingress.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
 from gateway.ingress.serve_status import SERVE_STATUS
+from gateway.ingress.telemetry import GatewayMetrics, gateway_metrics
 
 __all__ = ["ServeEngineClient", "overloaded", "with_default_deadline"]
 
@@ -65,12 +66,14 @@ class ServeEngineClient:
                  probe_timeout_s: float = 2.0, max_pending: int | None = None,
                  monitor_interval_s: float | None = INTERVAL_S,
                  idle_monitor_interval_s: float = IDLE_INTERVAL_S,
-                 channel: ChannelReceiver | None = None, caller: Caller | None = None):
+                 channel: ChannelReceiver | None = None, caller: Caller | None = None,
+                 metrics: GatewayMetrics | None = None):
         """``caller``: the named actor this client runs in, where it is not a Serve replica
         (the batch host): the engine replica aborts its generations if it dies."""
         self._handle = handle
         self._channel = channel  # None: the events come as the Serve call's results
         self._streaming = handle.options(stream=True)
+        self._metrics = metrics or gateway_metrics()
         self.model = model or handle.deployment_name
         self.request_timeout_s = request_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -207,6 +210,8 @@ class ServeEngineClient:
                 return
 
     def _stream(self, request: GenerateRequest, extra: dict) -> AsyncIterator[Event]:
+        transport = "ray" if self._channel is None else "channel"
+        self._metrics.engine_streams.inc(tags={"model": self.model, "transport": transport})
         if self._channel is not None:
             return self._stream_over_channel(request, extra)
         return self._stream_over_ray(request, extra)

@@ -99,6 +99,12 @@ class GatewayMetrics:
         self.key_tokens = counter("llm_gateway_key_tokens", "Tokens by API key (kind: prompt "
                                   "or generated).", (*KEY_TAGS, "kind"))
         self.key_labels: set[str] = set()
+        # How generations sent to an engine deployment streamed back: a "ray" count where the
+        # channel is configured means it fell back (the engine replica could not reach it).
+        self.engine_streams = counter("llm_gateway_engine_streams", "Generations sent to a "
+                                      "model's engine deployment, by how their events came "
+                                      "back: channel (the engine channel) or ray (Serve's "
+                                      "streamed results).", ("model", "transport"))
         self.ttft = histogram("llm_gateway_time_to_first_token_seconds",
                               "Streamed generations: arrival to first token (seconds).",
                               LATENCY_BUCKETS_S)

@@ -88,8 +88,11 @@ SERIES = {  # expression → the labels its values are keyed by
     f'sum(ray_llm_gateway_vllm_generation_tokens_total{{model="{MODEL}"}})': (),
     f'sum(ray_llm_gateway_vllm_prompt_tokens_total{{model="{MODEL}"}})': (),
     f'sum(ray_llm_gateway_vllm_requests_finished_total{{model="{MODEL}"}})': (),
+    f'sum by (transport) (ray_llm_gateway_engine_streams_total{{model="{MODEL}"}})':
+        ("transport",),
 }
-REQUESTS, TTFT, ITL, REFUSALS, TOKENS_OUT, TOKENS_IN, VLLM_OUT, VLLM_IN, VLLM_DONE = SERIES
+(REQUESTS, TTFT, ITL, REFUSALS, TOKENS_OUT, TOKENS_IN, VLLM_OUT, VLLM_IN, VLLM_DONE,
+ STREAMS) = SERIES
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -168,6 +171,10 @@ def test_counters_equal_what_was_sent_across_two_ingress_replicas(metered_url, p
     assert delta[TOKENS_OUT] == delta[VLLM_OUT] == {(): 14 * TOKENS}
     assert delta[TOKENS_IN] == delta[VLLM_IN] and delta[TOKENS_IN][()] > 0
     assert delta[VLLM_DONE] == {(): 14}
+    # Every generation reached the engine over the engine channel: a broken channel falls
+    # back to Ray's streamed results and would pass every other assertion. 15: the 14, and the
+    # one the engine refused.
+    assert delta[STREAMS] == {("channel",): 15}
     # Both ingress replicas served part of the mix: the sums above add up over replicas.
     served = prometheus.values(f'sum by (replica) (ray_serve_deployment_request_counter_total'
                                f'{{application="{METERED_APP}"}})', "replica")
