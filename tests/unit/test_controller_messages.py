@@ -2,6 +2,7 @@
 command is the sender's error in the runtime's error shape, on either channel, and a step's
 answer reads back as the rows it ends."""
 
+import msgspec
 import pytest
 
 from engines.controllers.ipc.messages import (
@@ -25,8 +26,21 @@ from tests.unit.test_controller_runtime import _instantiate, _runtime, _side
 def test_a_malformed_main_command_is_a_user_error_naming_the_field(cmd):
     answer = _runtime().handle_main(cmd)
     assert answer["type"] == "error" and answer["is_user_error"]
-    assert answer["error"].startswith("malformed MainCommand message")
+    kind = {"step": "Step", "post_pre_process": "PostPreProcess", "mid_process": "MidProcess"}
+    assert answer["error"].startswith(f"malformed {kind[cmd['op']]} message")  # by its op
     assert "$." in answer["error"]  # where in the command
+
+
+@pytest.mark.parametrize("handle", ["handle_main", "handle_side"])
+def test_an_unknown_op_is_a_user_error_naming_the_known_ones(handle):
+    got = []
+    answer = getattr(_runtime(), handle)({"op": "nope", "$rid": "r"}, *(
+        [got.append] if handle == "handle_side" else []))
+    answer = answer or got[0]
+    answer = answer if isinstance(answer, dict) else msgspec.to_builtins(answer)
+    assert answer["type"] == "error" and answer["is_user_error"]
+    assert "unknown" in answer["error"] and "'nope'" in answer["error"]
+    assert "ping" in answer["error"] or "instantiate" in answer["error"]
 
 
 def test_numbers_sent_as_strings_are_read_as_numbers():

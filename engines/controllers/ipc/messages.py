@@ -16,11 +16,12 @@ from msgspec import UNSET, UnsetType
 from engines.kit.telemetry import Tally
 
 __all__ = [
-    "LOCAL", "Addressed", "Advance", "AdvanceAnswer", "Answer", "Auth", "BadMessage", "Envelope",
-    "Failure", "FirstHalf", "Fork", "Forked", "Instantiate", "Journal", "MainCommand", "MidAnswer",
-    "MidOp", "MidRecord", "Ok", "Op", "Pong", "PostOp", "PostRecord", "PreOp", "PreRecord", "PreState",
-    "Release", "Released", "Reply", "RowSpec", "RuntimeStats", "SetTags", "StepAnswer", "Stopped", "TagInfo",
-    "TagList", "Vocabulary", "read",
+    "LOCAL", "Addressed", "Advance", "AdvanceAnswer", "Answer", "Auth", "BadMessage", "Failure",
+    "FirstHalf", "Fork", "Forked", "GetStats", "GetTags", "Instantiate", "Journal", "MainCommand",
+    "MidAnswer", "MidOp", "MidProcess", "MidRecord", "MkModule", "Ok", "Op", "Ping", "Pong",
+    "PostOp", "PostPreProcess", "PostRecord", "PreOp", "PreRecord", "PreState", "Release",
+    "Released", "Reply", "RowSpec", "RuntimeStats", "SetTags", "SideCommand", "Step",
+    "StepAnswer", "Stopped", "TagInfo", "TagList", "Tokens", "Vocabulary", "read",
 ]
 
 T = TypeVar("T")
@@ -31,11 +32,19 @@ class BadMessage(ValueError):
 
 
 def read(data: Any, kind: type[T]) -> T:
-    """``data`` (decoded JSON) as ``kind``, or :class:`BadMessage` saying what is wrong."""
+    """``data`` (decoded JSON) as ``kind``, or :class:`BadMessage` saying what is wrong. A
+    command union (:data:`MainCommand`, :data:`SideCommand`) is read by its ``op``: an op it
+    does not have is named as unknown, and a malformed command by its op's type."""
+    ops = _OPS.get(kind)
+    op = data.get("op") if isinstance(data, dict) else None
+    if ops is not None and isinstance(op, str) and op not in ops:
+        raise BadMessage(f"unknown {_UNION_NAMES[kind]} op {op!r}; known: {', '.join(ops)}")
     try:
         return msgspec.convert(data, kind, strict=False)
     except msgspec.ValidationError as exc:
-        raise BadMessage(f"malformed {kind.__name__} message: {exc}") from None
+        name = ops[op].__name__ if ops is not None and op in ops else (
+            _UNION_NAMES.get(kind) or kind.__name__)
+        raise BadMessage(f"malformed {name} message: {exc}") from None
 
 
 # --- envelopes ------------------------------------------------------------------------------
@@ -87,11 +96,6 @@ class Addressed(msgspec.Struct):
     rid: Any = msgspec.field(default=None, name="$rid")
 
 
-class Envelope(Addressed, kw_only=True):
-    """What every side request carries besides its op's fields: the op, and who asks."""
-
-    op: str
-    auth: Auth | None = msgspec.field(default=None, name="$auth")
 
 
 class RowSpec(msgspec.Struct, frozen=True):
@@ -126,22 +130,56 @@ class MidOp(msgspec.Struct):
     clone_id: int | None = None
 
 
-class MainCommand(msgspec.Struct):
-    """``post_pre_process``, ``mid_process`` (the seed's ``ops`` are mid ops) or ``step``
-    (both halves in one round trip; ``mask_format: bits`` asks for bitmask rows)."""
+class _Main(msgspec.Struct, tag_field="op"):
+    """A main-channel command, its type named by its ``op``."""
 
-    op: str
+
+class Ping(_Main, tag="ping"):
+    pass
+
+
+class Tokens(_Main, tag="tokens"):
+    """The vocabulary's size (answered with :class:`Vocabulary`)."""
+
+
+class MidProcess(_Main, tag="mid_process"):
+    """The seed's ``mid_process``: the rows to mask (its ``ops`` are mid ops)."""
+
+    ops: list[MidOp] | None = None
+
+
+class _Halves(_Main):
     post_ops: list[PostOp] | None = None
     pre_ops: list[PreOp] | None = None
     freed: list[int] | None = None
-    ops: list[MidOp] | None = None
+
+
+class PostPreProcess(_Halves, tag="post_pre_process"):
+    """The seed's first half of a step: tokens gained, sequences bound and freed."""
+
+
+class Step(_Halves, tag="step"):
+    """Both halves of a step in one round trip (beyond the seed); ``mask_format: bits`` asks
+    for bitmask rows."""
+
     mid_ops: list[MidOp] | None = None
     mask_format: Literal["floats", "bits"] | None = None
 
 
+MainCommand = Ping | Tokens | MidProcess | PostPreProcess | Step
+
+
 # --- side channel: frontend → runtime ------------------------------------------------------
 
-class Instantiate(msgspec.Struct):
+class _Side(msgspec.Struct, tag_field="op", kw_only=True):
+    """A side request, its type named by its ``op``: besides its op's fields, its ``$rid``
+    (which the answer echoes) and who asks."""
+
+    rid: Any = msgspec.field(default=None, name="$rid")
+    auth: Auth | None = msgspec.field(default=None, name="$auth")
+
+
+class Instantiate(_Side, tag="instantiate"):
     req_id: Any = None  # checked by the runtime, which says what a req_id must be
     module_id: Any = None
     module_arg: Any = None
@@ -149,24 +187,39 @@ class Instantiate(msgspec.Struct):
     advance: bool = False  # answer with the first advance's state (AdvanceAnswer)
 
 
-class Advance(msgspec.Struct):
+class Advance(_Side, tag="advance"):
     req_id: Any = None
     tokens: list[int] | None = None
     backtrack: int | None = None
 
 
-class Fork(msgspec.Struct):
+class Fork(_Side, tag="fork"):
     req_id: Any = None
     into: list[str] = []
 
 
-class Release(msgspec.Struct):
+class Release(_Side, tag="release"):
     req_id: Any = None
 
 
-class SetTags(msgspec.Struct):
+class SetTags(_Side, tag="set_tags"):
     module_id: str | None = None
     tags: Any = None  # checked by contract.controller_tags, whose messages name the rule
+
+
+class GetTags(_Side, tag="get_tags"):
+    pass
+
+
+class GetStats(_Side, tag="get_stats"):
+    pass
+
+
+class MkModule(_Side, tag="mk_module"):
+    """The seed's Wasm upload: refused (this runtime has built-in controllers only)."""
+
+
+SideCommand = Instantiate | Advance | Fork | Release | SetTags | GetTags | GetStats | MkModule
 
 
 class TagInfo(msgspec.Struct, frozen=True):
@@ -321,3 +374,11 @@ class RuntimeStats(msgspec.Struct):
     step: Tally  # every step's work, over engines.kit.telemetry.STEP_BUCKETS_S
     timeouts: dict[str, int]  # calls cut at their bound, by kind: "mid", "pre_post"
     live: int
+
+
+def _ops(union: Any) -> dict[str, type]:
+    return {member.__struct_config__.tag: member for member in union.__args__}
+
+
+_OPS: dict[Any, dict[str, type]] = {MainCommand: _ops(MainCommand), SideCommand: _ops(SideCommand)}
+_UNION_NAMES = {MainCommand: "main-channel", SideCommand: "side-channel"}

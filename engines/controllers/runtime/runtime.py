@@ -30,7 +30,9 @@ from engines.controllers.ipc.messages import (
     MainCommand,
     MidAnswer,
     MidOp,
+    MidProcess,
     MidRecord,
+    Ping,
     Pong,
     PostOp,
     PostRecord,
@@ -38,8 +40,10 @@ from engines.controllers.ipc.messages import (
     PreRecord,
     Reply,
     RuntimeStats,
+    Step,
     StepAnswer,
     Stopped,
+    Tokens,
     Vocabulary,
     read,
 )
@@ -90,24 +94,22 @@ class ControllerRuntime:
             command = read(cmd, MainCommand)
         except BadMessage as exc:
             return error_reply(str(exc), is_user_error=True)
-        op = command.op
-        if op == "ping":
-            return ok_reply(Pong())
-        if op == "tokens":
-            return ok_reply(Vocabulary(self.tokenizer.vocab_size))
-        if op == "mid_process":
-            return ok_reply(self._mid_process(command.ops or []))
-        if op not in ("post_pre_process", "step"):
-            return error_reply(f"unknown main-channel op {op!r}", is_user_error=True)
+        match command:
+            case Ping():
+                return ok_reply(Pong())
+            case Tokens():
+                return ok_reply(Vocabulary(self.tokenizer.vocab_size))
+            case MidProcess(ops=ops):
+                return ok_reply(self._mid_process(ops or []))
         began = time.perf_counter()
         half = self._post_pre_process(command.post_ops or [], command.pre_ops or [],
                                       command.freed or [])
-        answer = half if op == "post_pre_process" else self._step(command, half)
+        answer = self._step(command, half) if isinstance(command, Step) else half
         with self._steps_lock:
             self._steps.count((time.perf_counter() - began,), STEP_BUCKETS_S)
         return ok_reply(answer)
 
-    def _step(self, command: MainCommand, half: FirstHalf) -> StepAnswer:
+    def _step(self, command: Step, half: FirstHalf) -> StepAnswer:
         """Beyond the seed: ``post_pre_process`` then ``mid_process`` in one round trip (as
         AICI's ABI v2 merged its phases). ``mid_ops`` lists every row the engine may sample;
         those the first half ends get no mask; ``mid.ids`` gives the bias rows' order."""

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from engines.controllers.api.base import ControllerContext, ControllerError, Variables
 from engines.controllers.ipc.channels import error_reply, ok_reply
@@ -28,17 +28,20 @@ from engines.controllers.ipc.messages import (
     Advance,
     AdvanceAnswer,
     BadMessage,
-    Envelope,
     Failure,
     Fork,
     Forked,
+    GetStats,
+    GetTags,
     Instantiate,
     Journal,
+    MkModule,
     Ok,
     Release,
     Released,
     Reply,
     SetTags,
+    SideCommand,
     read,
 )
 from engines.controllers.runtime.sequence import ControlledSequence, tell_branches
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["SideChannel"]
 
 Answerer = Callable[[Reply], None]
+T = TypeVar("T")
 
 
 class SideChannel:
@@ -67,54 +71,53 @@ class SideChannel:
 
     def handle(self, request: dict, reply: Answerer) -> None:
         try:
-            envelope = read(request, Envelope)
+            command = read(request, SideCommand)
         except BadMessage as exc:
             reply(error_reply(str(exc), is_user_error=True))
             return
-        op = envelope.op
-        if op == "instantiate":
-            # Building a controller may compile a grammar: off the side channel's thread, so
-            # other side requests are answered meanwhile (out of order, by $rid).
-            self._start_instantiate(request, reply)
-        elif op == "get_tags":
-            reply(self.rt.tags.get_tags())
-        elif op == "get_stats":
-            reply(ok_reply(self.rt.stats()))
-        elif op == "set_tags":
-            auth = envelope.auth or LOCAL
-            self._answer(reply, lambda r: self.rt.tags.set_tags(read(r, SetTags), auth), request)
-        elif op in ("advance", "release", "fork"):
-            handler = {"advance": self.advance, "release": self._release,
-                       "fork": self._fork}[op]
-            self._pool.submit(self._answer, reply, handler, request)
-        elif op == "mk_module":
-            reply(error_reply("uploading Wasm modules is not supported by this runtime; use "
-                              f"one of the built-in controllers ({', '.join(self.rt.tags.names())})",
-                              is_user_error=True))
-        else:
-            reply(error_reply(f"unknown side-channel op {op!r}", is_user_error=True))
+        match command:
+            case Instantiate():
+                # Building a controller may compile a grammar: off the side channel's thread,
+                # so other side requests are answered meanwhile (out of order, by $rid).
+                self._start_instantiate(command, reply)
+            case GetTags():
+                reply(self.rt.tags.get_tags())
+            case GetStats():
+                reply(ok_reply(self.rt.stats()))
+            case SetTags():
+                self._answer(reply, self._set_tags, command)
+            case Advance():
+                self._pool.submit(self._answer, reply, self.advance, command)
+            case Release():
+                self._pool.submit(self._answer, reply, self._release, command)
+            case Fork():
+                self._pool.submit(self._answer, reply, self._fork, command)
+            case MkModule():
+                reply(error_reply("uploading Wasm modules is not supported by this runtime; "
+                                  "use one of the built-in controllers "
+                                  f"({', '.join(self.rt.tags.names())})", is_user_error=True))
 
-    def _answer(self, reply: Answerer, handler: Callable[[dict], Reply], request: dict) -> None:
+    def _answer(self, reply: Answerer, handler: Callable[[T], Reply], command: T) -> None:
         try:
-            reply(handler(request))
+            reply(handler(command))
         except BadMessage as exc:
             reply(error_reply(str(exc), is_user_error=True))
         except Exception as exc:  # answered, so the frontend never waits out its timeout
             reply(error_reply(f"{type(exc).__name__}: {exc}"))
+
+    def _set_tags(self, command: SetTags) -> Reply:
+        return self.rt.tags.set_tags(command, command.auth or LOCAL)
 
     def _controller(self, req_id: object) -> ControlledSequence | Failure:
         with self.rt.lock:
             seq = self.rt._live.get(req_id) if isinstance(req_id, str) else None
         return seq or error_reply(f"no controller for req_id {req_id!r}", is_user_error=True)
 
-    def advance(self, request: dict) -> Reply:
+    def advance(self, advance: Advance) -> Reply:
         """Between segments: ``post_process(tokens, backtrack)`` when given, then the
         ``pre_process`` owed. Answers the sequence's state: ``stop``, ``error`` and the pending
         ``pre`` result (``suspend`` / ``num_forks`` / ``ff_tokens``; None once stopped), plus
         the ``logs`` and ``storage`` of every call since the previous ``advance``."""
-        return self._advance(read(request, Advance))
-
-    def _advance(self, advance: Advance) -> Reply:
         seq = self._controller(advance.req_id)
         if isinstance(seq, Failure):
             return seq
@@ -140,8 +143,8 @@ class SideChannel:
             pre=None if seq.stopped or error else seq.last_pre,
             logs=logs, storage=storage, micros=micros))
 
-    def _release(self, request: dict) -> Reply:
-        req_id = read(request, Release).req_id
+    def _release(self, release: Release) -> Reply:
+        req_id = release.req_id
         with self.rt.lock:
             seq = self.rt._live.pop(req_id, None) if isinstance(req_id, str) else None
             self.rt.unbind(seq, seq.bound_to if seq is not None else None)
@@ -149,13 +152,12 @@ class SideChannel:
                 seq.family.discard(seq.req_id)
         return ok_reply(Released(seq is not None))
 
-    def _fork(self, request: dict) -> Reply:
+    def _fork(self, fork: Fork) -> Reply:
         """Beyond the seed, for engines that fork outside the engine (the frontend runs each
         branch as its own sequence): the controller whose pending pre result asked for
         ``num_forks = n`` is copied under the ``n - 1`` req_ids in ``into`` (branches 1..n-1;
         it stays branch 0). The copies share its variables; every branch owes a pre_process,
         which its next ``advance`` runs."""
-        fork = read(request, Fork)
         seq = self._controller(fork.req_id)
         if isinstance(seq, Failure):
             return seq
@@ -185,7 +187,7 @@ class SideChannel:
             branch.need_pre, branch.last_pre = True, None
         return ok_reply(Forked(into))
 
-    def _start_instantiate(self, request: dict, reply: Answerer) -> None:
+    def _start_instantiate(self, instantiate: Instantiate, reply: Answerer) -> None:
         """Answer with the controller built, or with a timeout after ``Limits.init_s``,
         whichever comes first; a controller finished after its timeout is dropped. With
         ``advance: true`` the answer is the first ``advance``'s (its pre result)."""
@@ -197,20 +199,13 @@ class SideChannel:
                                   f"{self.limits.init_s * 1000:g} ms", is_user_error=True))
 
         def build() -> None:
-            try:
-                instantiate = read(request, Instantiate)
-            except BadMessage as exc:
-                instantiate = None
-                answer = error_reply(str(exc), is_user_error=True)
-                answer = answer if first.acquire(blocking=False) else None
-            else:
-                answer = self._instantiate(instantiate, first)
+            answer = self._instantiate(instantiate, first)
             timer.cancel()
-            if isinstance(answer, Ok) and instantiate is not None and instantiate.advance:
+            if isinstance(answer, Ok) and instantiate.advance:
                 # Beyond the seed: the first ``advance`` in the same answer (one round trip
                 # less before a controlled request's prefill).
                 try:
-                    answer = self._advance(Advance(req_id=instantiate.req_id))
+                    answer = self.advance(Advance(req_id=instantiate.req_id))
                 except Exception as exc:  # answered, so the frontend never waits out a timeout
                     answer = error_reply(f"{type(exc).__name__}: {exc}")
             if answer is not None:
