@@ -28,9 +28,9 @@ from gateway.cluster.batches.service import KeyScopedBatches, LocalBatches, RayB
 from gateway.cluster.ledger_actor import LocalLedger
 from gateway.cluster.response_store import RayResponseStore
 from gateway.config import GatewayConfig
+from gateway.ingress.bounds import BoundedEngine, CloseStreamsWithRequest
 from gateway.ingress.keys import KeyAuth, KeyScopedStore
 from gateway.ingress.limits import Admission, BodySizeLimit, CapacityHeader, route_path
-from gateway.ingress.local_engine import CloseStreamsWithRequest
 from gateway.ingress.meter import LedgerPort, MeteredEngine, TenantMeter
 from gateway.ingress.metrics import MetricsMiddleware, render_metrics
 from gateway.ingress.registry import ModelRegistry
@@ -202,7 +202,6 @@ class GatewayIngress:
         from gateway.ingress.local_engine import LocalEngineClient
 
         log_with_serve()
-        models = {m.name: m for m in config.models}
         handles = dict(engines)
         for model in config.models:
             if model.app is not None:
@@ -211,16 +210,15 @@ class GatewayIngress:
                 handles[model.name] = serve.get_deployment_handle(
                     engine_deployment(model.name), app_name=model.app, _check_exists=False)
         channel = _channel_receiver() if config.engine_transport == "channel" else None
-        clients = {n: ServeEngineClient(h, n, request_timeout_s=config.request_timeout_s,
-                                        stall_timeout_s=config.engine_stall_timeout_s,
-                                        max_pending=models[n].pending_limit(), channel=channel)
+        clients = {n: ServeEngineClient(h, n, stall_timeout_s=config.engine_stall_timeout_s,
+                                        channel=channel)
                    for n, h in handles.items()}
         for model in config.models:
             if model.colocated:
-                clients[model.name] = LocalEngineClient.start(
-                    model, request_timeout_s=config.request_timeout_s,
-                    max_pending=model.pending_limit())
-        clients = {m.name: clients[m.name] for m in config.models}  # the config's order
+                clients[model.name] = LocalEngineClient.start(model)
+        clients = {m.name: BoundedEngine(clients[m.name], m.name, max_pending=m.pending_limit(),
+                                         request_timeout_s=config.request_timeout_s)
+                   for m in config.models}  # the config's order
         limits = [model.pending_limit() for model in config.models]
         self._capacity = None if None in limits else sum(limits)
         self._registry = ModelRegistry(clients, config.aliases,

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-import msgspec
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import (
     BackPressureError,
@@ -46,11 +45,12 @@ from contract import (
 )
 from engines.channel import ChannelLost, ChannelReceiver, ChannelUnreachable
 from engines.replica.callers import Caller, current_caller
+from gateway.ingress.bounds import overloaded
 from gateway.ingress.replica_monitor import IDLE_INTERVAL_S, INTERVAL_S, ReplicaMonitor
 from gateway.ingress.serve_status import SERVE_STATUS
 from gateway.ingress.telemetry import GatewayMetrics, gateway_metrics
 
-__all__ = ["ServeEngineClient", "overloaded", "with_default_deadline"]
+__all__ = ["ServeEngineClient"]
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ class ServeEngineClient:
     """:class:`contract.EngineClient` backed by an ``EngineDeployment`` handle."""
 
     def __init__(self, handle: DeploymentHandle, model: str | None = None, *,
-                 request_timeout_s: float | None = None, stall_timeout_s: float | None = None,
-                 probe_timeout_s: float = 2.0, max_pending: int | None = None,
+                 stall_timeout_s: float | None = None, probe_timeout_s: float = 2.0,
                  monitor_interval_s: float | None = INTERVAL_S,
                  idle_monitor_interval_s: float = IDLE_INTERVAL_S,
                  channel: ChannelReceiver | None = None, caller: Caller | None = None,
@@ -75,16 +74,8 @@ class ServeEngineClient:
         self._streaming = handle.options(stream=True)
         self._metrics = metrics or gateway_metrics()
         self.model = model or handle.deployment_name
-        self.request_timeout_s = request_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.probe_timeout_s = probe_timeout_s
-        # Generations this ingress replica has in flight for the model, and the most it sends
-        # (what the replicas hold plus Serve's queue): the excess is refused here at once. Serve
-        # would refuse it too, but only after its router has spent seconds of a saturated
-        # event loop on each (2,240 refusals took 4.1 s each at the median under a 2,000-request
-        # burst).
-        self.max_pending = max_pending
-        self.pending = 0
         self._suspect = False  # a replica failed or a probe went unanswered
         self._probe: asyncio.Future[bool] | None = None
         self._probe_done_at = 0.0
@@ -140,23 +131,16 @@ class ServeEngineClient:
     # --- the contract ---------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        if self.max_pending is not None and self.pending >= self.max_pending:
-            yield overloaded(self.model)
-            return
         self._monitor.note_request()
         if not await self.available():
             yield self._no_replica().event()
             return
-        self.pending += 1
-        try:  # closed at once with this one (a client gone): the engine request is aborted
-            async with aclosing(self._generate(request)) as events:
-                async for event in events:
-                    yield event
-        finally:
-            self.pending -= 1
+        # Closed at once with this one (a client gone): the engine request is aborted.
+        async with aclosing(self._generate(request)) as events:
+            async for event in events:
+                yield event
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        request = with_default_deadline(request, self.request_timeout_s)
         if self._caller is False:
             self._caller = current_caller()
         # Named, the engine replica aborts this generation if this ingress replica dies.
@@ -353,15 +337,3 @@ async def _within(items: AsyncIterator, timeout_s: float | None) -> AsyncIterato
         except StopAsyncIteration:
             return
         yield item
-
-
-def with_default_deadline(request: GenerateRequest, timeout_s: float | None) -> GenerateRequest:
-    """``request`` with the gateway's default deadline where the client set none."""
-    if request.timeout_s is None and timeout_s is not None:
-        return msgspec.structs.replace(request, timeout_s=timeout_s)
-    return request
-
-
-def overloaded(model: str) -> ErrorEvent:
-    return ErrorEvent(kind="overloaded",
-                      message=f"model `{model}` has too many requests queued; retry later")

@@ -26,6 +26,7 @@ from engines.caller.routing import routing_options
 from engines.kit.config import ModelConfig
 from engines.replica.deployment import EngineReplica
 from gateway.config import GatewayConfig, load_config
+from gateway.ingress.bounds import BoundedEngine
 from gateway.ingress.limits import REPLICA_HEADER, ResponseHeader
 from gateway.ingress.local_engine import LocalEngineClient
 from gateway.ingress.registry import ModelRegistry
@@ -73,9 +74,10 @@ class ModelIngress(EngineReplica):
         super().__init__(model)
         # What one replica holds plus its queue: beyond it, refused in the protocol's shape.
         pending = None if model.queue_limit() < 0 else model.ongoing_limit() + model.queue_limit()
-        client = LocalEngineClient(self.host, model.name,
-                                   request_timeout_s=config.request_timeout_s,
-                                   max_pending=pending, on_request=self.note_request)
+        client = BoundedEngine(LocalEngineClient(self.host, model.name,
+                                                 on_request=self.note_request),
+                               model.name, max_pending=pending,
+                               request_timeout_s=config.request_timeout_s)
         self._registry = ModelRegistry({model.name: client}, config.aliases,
                                        expose_paths=config.expose_model_paths,
                                        adapters=config.adapter_catalogs())

@@ -20,7 +20,8 @@ from contract import (
 from engines.kit.config import Autoscaling, ModelConfig
 from gateway.config import GatewayConfig
 from gateway.ingress.asgi import create_app
-from gateway.ingress.local_engine import CloseStreamsWithRequest, LocalEngineClient
+from gateway.ingress.bounds import BoundedEngine, CloseStreamsWithRequest
+from gateway.ingress.local_engine import LocalEngineClient
 from gateway.ingress.registry import ModelRegistry
 from tests.fake_engine import FakeEngine
 from tests.serve_session import serve_in_thread
@@ -59,7 +60,7 @@ async def test_the_default_deadline_applies_unless_the_request_has_one():
     # The deadline is 20 token delays, the whole answer 60: some tokens, then the cut, even
     # on a loaded box (a deadline of 4 delays once saw no token at all before it).
     engine = FakeEngine(delay=0.05)
-    client = LocalEngineClient(engine, "m", request_timeout_s=1.0)
+    client = BoundedEngine(LocalEngineClient(engine, "m"), "m", request_timeout_s=1.0)
     events = [e async for e in client.generate(_request("d", max_tokens=60))]
     final = events[-1]
     assert isinstance(final, FinalEvent) and (final.finish_reason, final.stop_reason) == (
@@ -72,7 +73,7 @@ async def test_the_default_deadline_applies_unless_the_request_has_one():
 
 async def test_generations_beyond_the_bound_are_refused_as_overloaded_at_once():
     engine = FakeEngine(delay=0.05)
-    client = LocalEngineClient(engine, "m", max_pending=1)
+    client = BoundedEngine(LocalEngineClient(engine, "m"), "m", max_pending=1)
     first = client.generate(_request("first"))
     assert isinstance(await anext(first), TokenEvent)
     refused = [e async for e in client.generate(_request("second"))]
@@ -139,7 +140,7 @@ async def test_a_generation_its_request_left_open_is_closed_when_the_response_is
     it running once the response is over, whatever holds on to it; one another task is
     reading then ends at its next event."""
     engine = FakeEngine(name="m", delay=0.01)
-    client = LocalEngineClient(engine, "m")
+    client = BoundedEngine(LocalEngineClient(engine, "m"), "m")
     held = []
 
     async def route(scope, receive, send):

@@ -46,6 +46,7 @@ def cluster_host(config: Any, app_name: str) -> BatchHost:
 
     from gateway.cluster.ledger_actor import RayLedger
     from gateway.cluster.response_store import RayResponseStore
+    from gateway.ingress.bounds import BoundedEngine
     from gateway.ingress.engine_client import ServeEngineClient
     from gateway.model_routes import engine_deployment
 
@@ -55,10 +56,11 @@ def cluster_host(config: Any, app_name: str) -> BatchHost:
             continue
         handle = serve.get_deployment_handle(engine_deployment(model.name),
                                              app_name=model.app or app_name, _check_exists=False)
-        clients[model.name] = ServeEngineClient(
-            handle, model.name, request_timeout_s=config.request_timeout_s,
-            stall_timeout_s=config.engine_stall_timeout_s, max_pending=model.pending_limit(),
+        client = ServeEngineClient(
+            handle, model.name, stall_timeout_s=config.engine_stall_timeout_s,
             caller=(ACTOR_NAME, NAMESPACE))  # not a Serve replica: named for the engine's watch
+        clients[model.name] = BoundedEngine(client, model.name, max_pending=model.pending_limit(),
+                                            request_timeout_s=config.request_timeout_s)
     registry = ModelRegistry(
         clients, {alias: to for alias, to in config.aliases.items() if to in clients},
         adapters={n: c for n, c in config.adapter_catalogs().items() if n in clients})
