@@ -32,7 +32,7 @@ from gateway.ingress.bounds import BoundedEngine, CloseStreamsWithRequest
 from gateway.ingress.keys import KeyAuth, KeyScopedStore
 from gateway.ingress.limits import Admission, BodySizeLimit, CapacityHeader, route_path
 from gateway.ingress.meter import LedgerPort, MeteredEngine, TenantMeter
-from gateway.ingress.metrics import MetricsMiddleware, render_metrics
+from gateway.ingress.metrics import render_metrics
 from gateway.ingress.registry import ModelRegistry
 from gateway.ingress.telemetry import (
     GatewayMetrics,
@@ -108,10 +108,10 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
 
 def _add_middlewares(app: FastAPI, config: GatewayConfig, errors: ErrorShapes,
                      public: frozenset[str], meter: TenantMeter | None) -> None:
-    """Body bound, metrics, admission and (with keys) auth; the last added runs first."""
+    """Closing a request's generations, the body bound, admission and (with keys) auth; the
+    last added runs first."""
     app.add_middleware(CloseStreamsWithRequest)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
-    app.add_middleware(MetricsMiddleware)
     app.add_middleware(Admission, max_inflight=config.max_concurrent_requests,
                        refuse=errors.response, exempt=public)
     if meter is not None:

@@ -37,6 +37,7 @@ from engines.kit.telemetry import (
     Levels,
     ray_metrics,
 )
+from gateway.ingress import metrics as http_series
 from gateway.ingress.registry import EngineWrapper
 
 __all__ = ["CLIENT_ID_PATTERN", "MAX_KEY_LABELS", "GatewayMetrics", "InstrumentedEngine",
@@ -205,13 +206,25 @@ class RequestTelemetry:
             if scope["type"] == "websocket":
                 await self._websocket(record, receive, send)
             else:
-                await self.app(scope, receive, self._http_sender(record, send))
+                await self._http(record, receive, send)
         finally:
             _CURRENT.reset(token)
 
-    def _http_sender(self, record: RequestRecord, send):
+    async def _http(self, record: RequestRecord, receive, send) -> None:
+        """The request, and this replica's own HTTP series for it (``metrics.py``)."""
+        status = [500]  # what a request that fails before its response start counts as
+        started = time.perf_counter()
+        http_series.IN_FLIGHT.inc()
+        try:
+            await self.app(record.scope, receive, self._http_sender(record, send, status))
+        finally:
+            http_series.IN_FLIGHT.dec()
+            http_series.record_response(record.scope, status[0], time.perf_counter() - started)
+
+    def _http_sender(self, record: RequestRecord, send, sent: list[int]):
         async def sender(message):
             if message["type"] == "http.response.start":
+                sent[0] = message["status"]
                 headers = message["headers"] = list(message.get("headers") or ())
                 if self.answer_ids and all(n.lower() != b"x-request-id" for n, _ in headers):
                     headers.append((b"x-request-id", record.request_id.encode("latin-1")))
