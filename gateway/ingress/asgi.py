@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import uuid
+from collections.abc import Callable
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contract import EngineUnavailable, InvalidPrompt
+from contract.client import EngineClient
 from gateway.cluster.batches.service import KeyScopedBatches, LocalBatches, RayBatches
 from gateway.cluster.ledger_actor import LocalLedger
 from gateway.cluster.response_store import RayResponseStore
@@ -73,12 +75,7 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
     config = config or GatewayConfig()
     metrics = metrics or gateway_metrics()
     meter = TenantMeter(ledger or LocalLedger(), metrics=metrics) if config.tenancy else None
-    if meter is not None:
-        registry = registry.with_engines(
-            lambda name, engine: MeteredEngine(engine, model=name, meter=meter))
-    kinds = {model.name: model.engine for model in config.models}
-    registry = registry.with_engines(lambda name, engine: InstrumentedEngine(
-        engine, model=name, engine=kinds.get(name, "unknown"), metrics=metrics))
+    registry = registry.with_engines(_serving_stack(config, metrics, meter))
     specs = [load_spec(name) for name in config.protocols]
     errors = ErrorShapes(specs)
     app = FastAPI(title="llm-gateway", version=VERSION, docs_url=None, redoc_url=None)
@@ -104,6 +101,24 @@ def create_app(registry: ModelRegistry, config: GatewayConfig | None = None, *,
         for router in spec.routers:
             app.include_router(router)
     return app
+
+
+def _serving_stack(config: GatewayConfig, metrics: GatewayMetrics, meter: TenantMeter | None,
+                   ) -> Callable[[str, EngineClient], EngineClient]:
+    """Each model's engine client as the routes call it, outermost first: measured
+    (``InstrumentedEngine``: the request series), metered (``MeteredEngine``: a key's limits
+    and usage, with tenancy on), then what the registry was built with: the process's bounds
+    (``BoundedEngine``) around the Serve or in-process client. An adapter's name resolves to
+    this stack run with the adapter (``AdapterEngine``, outermost)."""
+    kinds = {model.name: model.engine for model in config.models}
+
+    def wrap(name: str, engine: EngineClient) -> EngineClient:
+        if meter is not None:
+            engine = MeteredEngine(engine, model=name, meter=meter)
+        return InstrumentedEngine(engine, model=name, engine=kinds.get(name, "unknown"),
+                                  metrics=metrics)
+
+    return wrap
 
 
 def _add_middlewares(app: FastAPI, config: GatewayConfig, errors: ErrorShapes,
