@@ -12,18 +12,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from contract import EngineStats, Event, GenerateRequest, ModelInfo, Prompt
+from contract import Event, GenerateRequest
 from engines.kit.config import ModelConfig
 from engines.replica.host import EngineHost
+from gateway.ingress.registry import EngineWrapper
 
 __all__ = ["LocalEngineClient"]
 
 
-class LocalEngineClient:
+class LocalEngineClient(EngineWrapper):
     """:class:`contract.EngineClient` over an :class:`EngineHost` in this process."""
 
     def __init__(self, host: EngineHost, model: str, *,
                  on_request: Callable[[GenerateRequest], None] | None = None):
+        super().__init__(host)  # tokenize, model_info, stats, ...: the host's own
         self.host = host
         self.model = model
         self.on_request = on_request  # told of each generation admitted (prefix routing's record)
@@ -39,21 +41,3 @@ class LocalEngineClient:
         async with aclosing(self.host.generate(request)) as events:
             async for event in events:
                 yield event
-
-    async def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
-        return await self.host.tokenize(prompt)
-
-    async def detokenize(self, token_ids: tuple[int, ...]) -> str:
-        return await self.host.detokenize(token_ids)
-
-    async def detokenize_each(self, token_ids: tuple[int, ...]) -> tuple[str, ...]:
-        return await self.host.detokenize_each(token_ids)
-
-    async def model_info(self) -> ModelInfo:
-        return await self.host.model_info()
-
-    async def check_health(self) -> None:
-        await self.host.check_health()
-
-    async def stats(self) -> EngineStats:
-        return await self.host.stats()
