@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.ingress.asgi import create_app  # noqa: E402
+from gateway.ingress.bounds import BoundedEngine  # noqa: E402
 from gateway.ingress.local_engine import LocalEngineClient  # noqa: E402
 from gateway.ingress.registry import ModelRegistry  # noqa: E402
 from tests import fake_engine  # noqa: E402
@@ -65,7 +66,10 @@ async def _call(app, body: bytes) -> int:
 async def measure(requests: int, tokens: int, concurrency: int) -> float:
     """CPU seconds of this process per request, after a warm-up."""
     fake_engine.MAX_MODEL_LEN = max(fake_engine.MAX_MODEL_LEN, tokens + 16)
-    client = LocalEngineClient(fake_engine.FakeEngine(reply="abcdefgh"), "fake-model")
+    # As a model's own replica builds it (gateway/model_replica/ingress.py).
+    client = BoundedEngine(LocalEngineClient(fake_engine.FakeEngine(reply="abcdefgh"),
+                                             "fake-model"), "fake-model", max_pending=1024,
+                           request_timeout_s=600.0)
     app = create_app(ModelRegistry({"fake-model": client}), GatewayConfig())
     body = json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": tokens,
                        "stream": True, "ignore_eos": True, "temperature": 0}).encode()

@@ -68,9 +68,11 @@ def tokens_of(text: str) -> list[int]:
     return ids
 
 
+_MARKER_OF = {v: k for k, v in MARKERS.items()}
+
+
 def text_of(ids) -> str:
-    names = {v: k for k, v in MARKERS.items()}
-    return "".join(names.get(t) or chr(t) for t in ids)
+    return "".join([_MARKER_OF[t] if t in _MARKER_OF else chr(t) for t in ids])
 
 
 class FakeTokenizer:

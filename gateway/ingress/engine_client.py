@@ -135,12 +135,6 @@ class ServeEngineClient:
         if not await self.available():
             yield self._no_replica().event()
             return
-        # Closed at once with this one (a client gone): the engine request is aborted.
-        async with aclosing(self._generate(request)) as events:
-            async for event in events:
-                yield event
-
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         if self._caller is False:
             self._caller = current_caller()
         # Named, the engine replica aborts this generation if this ingress replica dies.

@@ -10,7 +10,6 @@ Serve path's.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 
 from contract import Event, GenerateRequest
 from engines.kit.config import ModelConfig
@@ -34,10 +33,9 @@ class LocalEngineClient(EngineWrapper):
     def start(cls, config: ModelConfig, **options) -> LocalEngineClient:
         return cls(EngineHost.for_model(config), config.name, **options)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """The host's own stream (closing it, a client gone, aborts the request): no hop of
+        its own, as every event of the model's replicas passes here."""
         if self.on_request is not None:
             self.on_request(request)
-        # Closing this generator (client gone) closes the host's, which aborts the request.
-        async with aclosing(self.host.generate(request)) as events:
-            async for event in events:
-                yield event
+        return self.host.generate(request)
