@@ -48,6 +48,7 @@ from contract.models import (
     ModelRequired,
 )
 from contract.requests import (
+    TEMPLATE_RESERVED,
     Adapter,
     ChatMessage,
     ChatPrompt,
@@ -70,7 +71,7 @@ __all__ = [
     "EngineStats", "EngineUnavailable", "ErrorEvent", "ErrorKind", "Event", "FinalEvent",
     "FinishReason", "ForkEvent", "GenerateRequest", "InvalidPrompt", "ModelInfo", "ModelNotFound",
     "ModelRequired", "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "ReasoningOptions",
-    "Sampling", "SpliceSupport", "TextPrompt", "Timings", "TokenEvent", "TokenPrompt", "ToolCall",
-    "ToolDefinition", "TopLogprob", "Usage", "as_error", "decode_events", "encode_events",
-    "splice_allowed", "splice_refusal",
+    "Sampling", "SpliceSupport", "TEMPLATE_RESERVED", "TextPrompt", "Timings", "TokenEvent",
+    "TokenPrompt", "ToolCall", "ToolDefinition", "TopLogprob", "Usage", "as_error",
+    "decode_events", "encode_events", "splice_allowed", "splice_refusal",
 ]

@@ -4,14 +4,16 @@ nothing here knows vLLM or a wire protocol."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
+
+import msgspec
 
 from contract.base import Frozen as _Frozen
 from contract.tool_markup import ToolCall, ToolDefinition
 
 __all__ = ["Adapter", "ChatMessage", "ChatPrompt", "ControllerSpec", "GenerateRequest",
            "OutputOptions", "Prompt", "ReasoningOptions", "Sampling", "SpliceSupport",
-           "TextPrompt", "TokenPrompt", "ToolCall", "ToolDefinition"]
+           "TEMPLATE_RESERVED", "TextPrompt", "TokenPrompt", "ToolCall", "ToolDefinition"]
 
 
 # --- prompts ------------------------------------------------------------------------------
@@ -40,6 +42,15 @@ class ChatPrompt(_Frozen, tag="chat", kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: tuple[ToolDefinition, ...] = ()
+    # Extra variables for the chat template (vLLM's ``chat_template_kwargs``), e.g. Qwen3's
+    # ``enable_thinking``; a name the renderer sets itself is refused (TEMPLATE_RESERVED).
+    template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+# What the renderer passes to a chat template itself (or must not be swapped: the template).
+TEMPLATE_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "chat_template", "return_dict", "tokenizer"})
 
 
 class TokenPrompt(_Frozen, tag="tokens", kw_only=True):

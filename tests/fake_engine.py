@@ -18,7 +18,9 @@ Reasoning: ``<think>`` and ``</think>`` are one token each (ids past the charact
 ``reasoning=True`` the model reasons in vLLM's ``deepseek_r1`` format: a chat prompt ends in
 ``<think>`` and the reply is expected to hold ``</think>`` (``REASONING_REPLY``); a request
 whose reasoning budget the host turned into the ``reasoning`` controller gets the marker after
-that many tokens, then the reply's answer (what the real controller would force).
+that many tokens, then the reply's answer (what the real controller would force). A chat
+prompt with ``enable_thinking: false`` (``ChatPrompt.template_kwargs``) ends in a closed think
+block instead, as Qwen3's template renders it, and gets the reply's answer only.
 """
 
 from __future__ import annotations
@@ -121,7 +123,11 @@ class FakeModel:
             return tokens_of(prompt.text)
         assert isinstance(prompt, ChatPrompt)
         text = "".join(f"<{m.role}>{m.content}" for m in prompt.messages) + "<assistant>"
-        return tokens_of(text + ("<think>" if self.reasoning else ""))
+        if not self.reasoning:
+            return tokens_of(text)
+        # Qwen3's way: thinking turned off closes the think block in the prompt.
+        thinks = prompt.template_kwargs.get("enable_thinking", True)
+        return tokens_of(text + ("<think>" if thinks else "<think></think>"))
 
     def detokenize(self, token_ids: tuple[int, ...]) -> str:
         return text_of(token_ids)
@@ -145,15 +151,17 @@ class FakeModel:
                     yield ErrorEvent(kind="validation", param="controller",
                                      message=f"controller failed: {script['fail']}")
                     return
+            answer_only = self.reasoning and bool(ids) and ids[-1] == MARKERS["</think>"]
             for index in range(request.sampling.n):
                 async for event in self._choice(request, index, len(ids), admitted.max_tokens,
-                                                script if index == 0 else {}):
+                                                script if index == 0 else {}, answer_only):
                     yield event
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(request.request_id)
             raise
 
-    async def _choice(self, request, index, prompt_len, max_tokens, script) -> AsyncIterator[Event]:
+    async def _choice(self, request, index, prompt_len, max_tokens, script,
+                      answer_only=False) -> AsyncIterator[Event]:
         s, k = request.sampling, request.output.logprobs
         forced = [TokenEvent(index=index, token_id=ord(c), text=c, forced=True)
                   for c in script.get("ff", "")]
@@ -162,6 +170,9 @@ class FakeModel:
         spliced = bool(script.get("backtrack") or script.get("fork"))
         reply = self.reply if request.adapter is None else f"{request.adapter.name}: {self.reply}"
         reply = self._budgeted(request, reply)
+        end = MARKERS["</think>"]
+        if answer_only and end in reply:  # the prompt closed the think block
+            reply = reply[reply.index(end) + 1:]
         text = ""
         steps = max_tokens - len(forced)
         for step in range(steps):

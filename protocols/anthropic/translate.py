@@ -153,9 +153,14 @@ def chat_prompt(body: _Conversation) -> tuple[ChatPrompt, ToolChoice, bool]:
     for i, message in enumerate(body.messages):
         messages += _turn(i, message, calls, names)
     prefill = body.messages[-1].role == "assistant"
+    # Thinking not asked for is turned off where the template can (Qwen3's enable_thinking);
+    # elsewhere the model still thinks and the answer hides it (docs/reasoning.md).
+    thinking = body.thinking.get("type") if isinstance(body.thinking, dict) else None
     prompt = ChatPrompt(messages=tuple(messages), add_generation_prompt=not prefill,
                         continue_final_message=prefill,
-                        tools=tools if choice.mode != "none" else ())
+                        tools=tools if choice.mode != "none" else (),
+                        template_kwargs={"enable_thinking": False}
+                        if thinking in (None, "disabled") else {})
     return prompt, choice, parallel
 
 

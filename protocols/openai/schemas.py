@@ -124,6 +124,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     thinking_token_budget: int | None = None
     max_reasoning_tokens: int | None = None
     include_reasoning: bool = True
+    # Extra chat template variables (vLLM's extension), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -133,6 +135,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

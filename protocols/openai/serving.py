@@ -38,7 +38,13 @@ from protocols.openai.schemas import (
     StreamOptions,
     TokenizeRequest,
 )
-from protocols.openai.translate import chat_messages, chat_request, completion_requests, decode_body
+from protocols.openai.translate import (
+    chat_messages,
+    chat_request,
+    completion_requests,
+    decode_body,
+    template_kwargs,
+)
 from protocols.streams import Peeked, fold_splices, merge, peek, reindexed
 from protocols.tools import grammar_refusal
 
@@ -171,7 +177,8 @@ async def tokenize(raw: bytes, models: ModelDirectory) -> dict:
         prompt = TextPrompt(text=body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         prompt = ChatPrompt(messages=chat_messages(body.messages),
-                            add_generation_prompt=body.add_generation_prompt)
+                            add_generation_prompt=body.add_generation_prompt,
+                            template_kwargs=template_kwargs(body.chat_template_kwargs))
     tokens = list(await engine.tokenize(prompt))
     info = await models.info(name)
     result = {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}

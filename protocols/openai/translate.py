@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from contract import (
+    TEMPLATE_RESERVED,
     ChatMessage,
     ChatPrompt,
     ControllerSpec,
@@ -42,6 +43,7 @@ __all__ = [
     "chat_tools",
     "completion_requests",
     "decode_body",
+    "template_kwargs",
 ]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for legacy completions
@@ -313,6 +315,7 @@ def chat_request(body: ChatCompletionRequest, model: str,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             tools=tools if choice.mode != "none" else (),
+            template_kwargs=template_kwargs(body.chat_template_kwargs),
         ),
         sampling=_sampling(body, max_tokens),
         output=_output(body, logprobs),
@@ -321,6 +324,14 @@ def chat_request(body: ChatCompletionRequest, model: str,
         reasoning=_reasoning(body),
     )
     return request, choice
+
+
+def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` for the model's chat template, less what the gateway sets."""
+    reserved = TEMPLATE_RESERVED.intersection(given or {})
+    _check(not reserved, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+           "chat_template_kwargs")
+    return dict(given or {})
 
 
 def _reasoning(body: ChatCompletionRequest) -> ReasoningOptions | None:

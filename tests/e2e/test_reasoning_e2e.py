@@ -42,14 +42,18 @@ ENGINE_ARGS = {**VLLM_TEST_ARGS, "max_model_len": 512, "kv_cache_memory_bytes": 
 
 
 @pytest.fixture(scope="module")
-def thinker(gateway_url, tmp_path_factory):
+def source(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("thinker")
+    return make_reasoning_tokenizer(build_tiny(
+        "llama-wide", root / "llama", Path(local_model_dir(f"embedded:{MODEL}") or "")))
+
+
+@pytest.fixture(scope="module")
+def thinker(gateway_url, source):
     from ray import serve
 
     from gateway.app import build_app, build_model_app
 
-    root = tmp_path_factory.mktemp("thinker")
-    source = make_reasoning_tokenizer(build_tiny(
-        "llama-wide", root / "llama", Path(local_model_dir(f"embedded:{MODEL}") or "")))
     model = ModelConfig(name=TINY, source=str(source), num_cpus=0.05, engine_args=ENGINE_ARGS,
                         reasoning=Reasoning(parser="deepseek_r1"))
     serve.run(build_model_app({"model": msgspec.to_builtins(model)}), name=MODEL_APP,
@@ -166,3 +170,27 @@ def test_a_json_schema_answer_after_the_thinking_validates(thinker, oracle):
     message = whole.choices[0].message
     assert message.reasoning_content == oracle[0]
     jsonschema.validate(json.loads(message.content), schema)
+
+
+def test_thinking_turned_off_by_the_template_answers_at_once(thinker, source):
+    """Qwen3's switch: ``chat_template_kwargs: {"enable_thinking": false}`` (and Anthropic
+    without ``thinking``) makes the template close the think block, so the whole output is the
+    answer. Oracle: the tokenizer's own template (transformers) and vLLM's greedy output."""
+    from transformers import AutoTokenizer
+
+    url, handle = thinker
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    text = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=False)
+    assert text.endswith("<think>\n\n</think>\n\n")
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    answer = handle.reference_greedy.remote(prompt, MAX_TOKENS).result().text
+    whole = _openai(url).chat.completions.create(
+        **_greedy(), extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = whole.choices[0].message
+    assert (getattr(message, "reasoning_content", None), message.content) == (None, answer)
+    assert whole.usage.prompt_tokens == len(prompt)
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
+    plain = client.messages.create(model=TINY, max_tokens=MAX_TOKENS, messages=ASK,
+                                   extra_body={"temperature": 0})
+    assert [(b.type, b.text) for b in plain.content] == [("text", answer)]

@@ -281,6 +281,50 @@ async def test_anthropic_thinking_blocks_whole_and_streamed():
     assert [(b.type, b.text) for b in plain.content] == [("text", ANSWER)]
 
 
+async def test_thinking_turned_off_in_the_template_answers_at_once():
+    """``chat_template_kwargs`` (vLLM's) reach the template; Anthropic without ``thinking``
+    turns it off as Qwen3's template reads it (the fake model renders it the same way)."""
+    engine = _engine()
+    client = _openai(engine)
+    off = await client.chat.completions.create(
+        model="fake-model", messages=ASK, max_tokens=50,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = off.choices[0].message
+    assert (getattr(message, "reasoning_content", None), message.content) == (None, ANSWER)
+    details = off.usage.completion_tokens_details  # reported when there was thinking
+    assert details is None or details.reasoning_tokens == 0
+    assert engine.requests[-1].prompt.template_kwargs == {"enable_thinking": False}
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(
+            model="fake-model", messages=ASK, max_tokens=5,
+            extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})
+    assert refused.value.body["param"] == "chat_template_kwargs"
+    claude = _anthropic(engine)
+    plain = await claude.messages.create(model="fake-model", max_tokens=50, messages=ASK)
+    assert [(b.type, b.text) for b in plain.content] == [("text", ANSWER)]
+    assert engine.requests[-1].prompt.template_kwargs == {"enable_thinking": False}
+    await claude.messages.create(model="fake-model", max_tokens=50, messages=ASK,
+                                 thinking={"type": "adaptive"})
+    assert engine.requests[-1].prompt.template_kwargs == {}
+
+
+def test_template_kwargs_render_and_the_reserved_ones_are_refused():
+    from transformers import AutoTokenizer
+
+    from engines.kit.base import PromptError
+    from engines.kit.embedded import local_model_dir
+    from engines.kit.tokens import render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(local_model_dir("embedded:smollm2-135m-instruct"))
+    tokenizer.chat_template = "{{ messages[0]['content'] }}{% if shout %}!{% endif %}"
+    asked = ChatPrompt(messages=(ChatMessage(role="user", content="hi"),),
+                       template_kwargs={"shout": True})
+    assert tokenizer.decode(render_prompt(tokenizer, asked)) == "hi!"
+    with pytest.raises(PromptError, match="add_generation_prompt"):
+        render_prompt(tokenizer, ChatPrompt(messages=asked.messages,
+                                            template_kwargs={"add_generation_prompt": False}))
+
+
 async def test_anthropic_thinking_rules_and_history():
     client = _anthropic(_engine())
     with pytest.raises(anthropic.BadRequestError, match="less than max_tokens"):
