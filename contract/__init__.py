@@ -48,7 +48,6 @@ from contract.models import (
     ModelRequired,
 )
 from contract.requests import (
-    TEMPLATE_RESERVED,
     Adapter,
     ChatMessage,
     ChatPrompt,
@@ -63,6 +62,7 @@ from contract.requests import (
     TokenPrompt,
     ToolCall,
     ToolDefinition,
+    reserved_template_kwargs,
 )
 
 __all__ = [
@@ -71,7 +71,8 @@ __all__ = [
     "EngineStats", "EngineUnavailable", "ErrorEvent", "ErrorKind", "Event", "FinalEvent",
     "FinishReason", "ForkEvent", "GenerateRequest", "InvalidPrompt", "ModelInfo", "ModelNotFound",
     "ModelRequired", "OutputOptions", "Prompt", "PromptEvent", "PromptToken", "ReasoningOptions",
-    "Sampling", "SpliceSupport", "TEMPLATE_RESERVED", "TextPrompt", "Timings", "TokenEvent",
+    "Sampling", "SpliceSupport", "TextPrompt", "Timings", "TokenEvent",
     "TokenPrompt", "ToolCall", "ToolDefinition", "TopLogprob", "Usage", "as_error",
-    "decode_events", "encode_events", "splice_allowed", "splice_refusal",
+    "decode_events", "encode_events", "reserved_template_kwargs", "splice_allowed",
+    "splice_refusal",
 ]

@@ -13,7 +13,7 @@ from contract.tool_markup import ToolCall, ToolDefinition
 
 __all__ = ["Adapter", "ChatMessage", "ChatPrompt", "ControllerSpec", "GenerateRequest",
            "OutputOptions", "Prompt", "ReasoningOptions", "Sampling", "SpliceSupport",
-           "TEMPLATE_RESERVED", "TextPrompt", "TokenPrompt", "ToolCall", "ToolDefinition"]
+           "TextPrompt", "TokenPrompt", "ToolCall", "ToolDefinition", "reserved_template_kwargs"]
 
 
 # --- prompts ------------------------------------------------------------------------------
@@ -43,14 +43,20 @@ class ChatPrompt(_Frozen, tag="chat", kw_only=True):
     continue_final_message: bool = False
     tools: tuple[ToolDefinition, ...] = ()
     # Extra variables for the chat template (vLLM's ``chat_template_kwargs``), e.g. Qwen3's
-    # ``enable_thinking``; a name the renderer sets itself is refused (TEMPLATE_RESERVED).
+    # ``enable_thinking``; a name the renderer sets itself is refused (reserved_template_kwargs).
     template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 # What the renderer passes to a chat template itself (or must not be swapped: the template).
-TEMPLATE_RESERVED = frozenset({
+_TEMPLATE_RESERVED = frozenset({
     "messages", "conversation", "tools", "documents", "add_generation_prompt",
     "continue_final_message", "tokenize", "chat_template", "return_dict", "tokenizer"})
+
+
+def reserved_template_kwargs(template_kwargs: dict[str, Any]) -> list[str]:
+    """The names in ``template_kwargs`` that the renderer sets itself (a request may not),
+    sorted: the one check, made by a protocol (its own error) and by the renderer."""
+    return sorted(_TEMPLATE_RESERVED.intersection(template_kwargs))
 
 
 class TokenPrompt(_Frozen, tag="tokens", kw_only=True):

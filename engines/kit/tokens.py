@@ -9,7 +9,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from contract import TEMPLATE_RESERVED, ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from contract import ChatPrompt, Prompt, TextPrompt, TokenPrompt, reserved_template_kwargs
 from engines.kit.base import PromptError
 from engines.kit.tool_prompts import template_inputs
 
@@ -29,11 +29,10 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     """Token ids of ``prompt``: token prompts as they are, text through the tokenizer, chat
     through the model's chat template (rendered to text first, as vLLM does). Raises
     :class:`PromptError` when the tokenizer or template refuses it."""
-    reserved = isinstance(prompt, ChatPrompt) and TEMPLATE_RESERVED.intersection(
-        prompt.template_kwargs)
+    reserved = isinstance(prompt, ChatPrompt) and reserved_template_kwargs(prompt.template_kwargs)
     if reserved:
         raise PromptError(f"chat template variables the gateway sets itself: "
-                          f"{', '.join(sorted(reserved))}")
+                          f"{', '.join(reserved)}")
     try:
         if isinstance(prompt, TokenPrompt):
             return list(prompt.token_ids)

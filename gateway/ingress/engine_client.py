@@ -10,8 +10,10 @@ Besides translating calls, this is where the gateway stays honest when a replica
   wait at most ``probe_timeout_s`` for a health check and are refused as ``unavailable`` if it
   does not come back; one probe is shared by every request arriving meanwhile.
 - **A watchdog** ends a stream whose engine has sent nothing for ``stall_timeout_s`` (a replica
-  that is alive but stuck), and a **default deadline** applies to requests whose protocol did not
-  set one.
+  that is alive but stuck).
+
+The pending bound and the default deadline are the process's, around every engine client alike
+(``gateway.ingress.bounds``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 import msgspec
 
 from contract import (
-    TEMPLATE_RESERVED,
     ChatMessage,
     ChatPrompt,
     ControllerSpec,
@@ -22,6 +21,7 @@ from contract import (
     TokenPrompt,
     ToolCall,
     ToolDefinition,
+    reserved_template_kwargs,
 )
 from protocols.controllers import controller_spec, json_schema_controller
 from protocols.jsonbody import BodyError, decode_json
@@ -328,8 +328,8 @@ def chat_request(body: ChatCompletionRequest, model: str,
 
 def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
     """``chat_template_kwargs`` for the model's chat template, less what the gateway sets."""
-    reserved = TEMPLATE_RESERVED.intersection(given or {})
-    _check(not reserved, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+    reserved = reserved_template_kwargs(given or {})
+    _check(not reserved, f"chat_template_kwargs may not set {', '.join(reserved)}",
            "chat_template_kwargs")
     return dict(given or {})
 
