@@ -1,8 +1,7 @@
 """The CPU the gateway's own code spends per request and per streamed token: the app over the
 fake engine, driven by raw ASGI calls (no HTTP server, no Ray, no vLLM), so that what is left is
 the protocol layer, the middlewares, the engine host and the SSE framing
-(docs/results/benchmarks-2026-12-07.md,
-"The replica's own cost per token, on an AVX2 box").
+(docs/results/benchmarks-2026-12-07.md, "The replica's own cost per token, on an AVX2 box").
 
 Streamed OpenAI completions, ``--concurrency`` at a time; one run with ``--tokens`` a request
 and one with 2, so the per-request part and the per-token part come apart:

@@ -12,8 +12,7 @@ Usage::
 ``--packed``: every stage's linear weights packed for oneDNN, as the pipeline runs on CPU.
 Round-robin over the ways, medians; prints one JSON line per way and round, then a summary.
 Run it on an idle box; it records the CPU flags. docs/results/benchmarks-2026-12-07.md,
-"Pipeline hops" and "The
-stage channel".
+"Pipeline hops" and "The stage channel".
 """
 
 from __future__ import annotations

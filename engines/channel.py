@@ -3,11 +3,11 @@ replica, engine replica), one frame per engine step carrying every stream's new 
 
 Streaming each request's events as Ray objects cost a Ray call per streamed batch and per hop;
 on a fast engine that, not the model, bounded throughput
-(``docs/results/benchmarks-2026-12-07.md``, "The engine
-channel"). Ray keeps what it is good at: the ingress starts each generation with one Serve call
-(routing, the replicas' queue bounds, back-pressure and replica-death errors are Serve's, as
-before), passing its :class:`ChannelAddress`; the engine replica writes the generation's events
-to that address instead of returning them, and the call returns when the stream is over.
+(``docs/results/benchmarks-2026-12-07.md``, "The engine channel"). Ray keeps what it is good at:
+the ingress starts each generation with one Serve call (routing, the replicas' queue bounds,
+back-pressure and replica-death errors are Serve's, as before), passing its
+:class:`ChannelAddress`; the engine replica writes the generation's events to that address
+instead of returning them, and the call returns when the stream is over.
 
 Wire format: each frame is a 4-byte big-endian length, then msgpack. The engine replica's first
 frame is a :class:`Hello` with the ingress's secret; then :class:`Frame` s. The ingress answers

@@ -183,8 +183,7 @@ class VLLMEngine:
         # (length, vocabulary) on this loop. A bare {"prompt_token_ids": ...} is a raw prompt
         # that vLLM renders again on a thread of its pool: a thread hop per request for no
         # work (docs/results/benchmarks-2026-12-07.md, "Placement on a fast engine, and a
-        # request's own cost in
-        # the replica").
+        # request's own cost in the replica").
         outputs = self._llm.generate(tokens_input(prompt_ids), params, request_id,
                                      lora_request=lora,
                                      priority=request.priority if self._priority else 0)

@@ -36,10 +36,9 @@ class SharedTagStore:
 
     async def _actor(self):
         # Made (or found) on first use: a gateway whose clients never tag runs no idle actor
-        # process for it (each costs ~0.005 CPU-s/s, docs/results/benchmarks-2026-12-07.md).
-        # Ray looks it up in
-        # the GCS synchronously: off the event loop. Restarted by Ray if its process dies (tags
-        # set since are then lost; calls retry).
+        # process for it (each costs ~0.005 CPU-s/s, docs/results/benchmarks-2026-12-07.md). Ray
+        # looks it up in the GCS synchronously: off the event loop. Restarted by Ray if its
+        # process dies (tags set since are then lost; calls retry).
         async with self._making:
             if self._handle is None:
                 self._handle = await asyncio.to_thread(

@@ -25,9 +25,8 @@ INTERVAL_S = 2.0  # the default ``interval_s``: how often Serve is asked while r
 # Where this ingress carries none of the model's requests (in the default layout HAProxy sends
 # OpenAI requests straight to the model's own application), asking Serve every 2 s was half of
 # the idle ingress replica's CPU (docs/results/benchmarks-2026-12-07.md): after this long
-# without a request the
-# monitor asks every ``idle_interval_s`` instead, and a request arriving then wakes it to ask
-# at once.
+# without a request the monitor asks every ``idle_interval_s`` instead, and a request arriving
+# then wakes it to ask at once.
 IDLE_AFTER_S = 30.0
 IDLE_INTERVAL_S = 10.0  # the default ``idle_interval_s``
 

@@ -2,10 +2,9 @@
 
 Ray's core worker wakes every Ray worker's main thread 100 times a second to check for signals
 (docs/results/benchmarks-2026-12-07.md, "Ray's signal check"), so as a Ray actor each model's
-runtime spent about
-0.006 CPU-s/s doing nothing, on the core that serves. A plain child waits on its channels'
-semaphores and nothing else. Its controllers' Python still takes neither the replica's GIL nor
-its CPU time.
+runtime spent about 0.006 CPU-s/s doing nothing, on the core that serves. A plain child waits on
+its channels' semaphores and nothing else. Its controllers' Python still takes neither the
+replica's GIL nor its CPU time.
 
 The replica starts it before its engine (the engine's hook asks the runtime ``tokens`` while
 vLLM builds its logits processors) and waits until it serves or says why it cannot. The replica
