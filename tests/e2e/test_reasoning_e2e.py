@@ -194,3 +194,24 @@ def test_thinking_turned_off_by_the_template_answers_at_once(thinker, source):
     plain = client.messages.create(model=TINY, max_tokens=MAX_TOKENS, messages=ASK,
                                    extra_body={"temperature": 0})
     assert [(b.type, b.text) for b in plain.content] == [("text", answer)]
+
+
+def test_bad_reasoning_inputs_answer_in_each_protocols_shape(thinker):
+    """Refused before the engine runs: a 400 in OpenAI's shape naming the parameter, and in
+    Anthropic's (``invalid_request_error``), through Ray Serve."""
+    client = _openai(thinker[0])
+    bad = [({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+           ({"thinking_token_budget": -1}, "thinking_token_budget"),
+           ({"thinking_token_budget": 2, "max_reasoning_tokens": 2}, "max_reasoning_tokens")]
+    for body, param in bad:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**_greedy(), extra_body=body)
+        assert refused.value.body["param"] == param, refused.value.body
+    claude = anthropic.Anthropic(base_url=thinker[0], api_key="x", max_retries=0, timeout=120)
+    for thinking in ({"type": "enabled", "budget_tokens": MAX_TOKENS}, {"type": "enabled"},
+                     {"type": "sometimes"}):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude.messages.create(model=TINY, max_tokens=MAX_TOKENS, messages=ASK,
+                                   thinking=thinking)
+        assert refused.value.body["error"]["type"] == "invalid_request_error"
+        assert "thinking" in refused.value.body["error"]["message"]
